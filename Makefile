@@ -1,0 +1,43 @@
+# aenv — the two commands are `make run` and `make test`; both install what is missing first.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.aenv-installed
+export AENV_HOME ?= /var/lib/aenv
+
+.PHONY: install system venv base run test test-unit test-integration lint bench proto clean
+
+install: system venv base
+
+system:
+	@scripts/install-system.sh
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	@touch $(STAMP)
+
+base: venv
+	@$(BIN)/aenv template build-base --quiet
+
+run: install
+	$(BIN)/aenv server
+
+test: install
+	$(BIN)/python -m pytest -q -x --timeout=600 tests
+
+test-unit: venv
+	$(BIN)/python -m pytest -q tests/unit
+
+lint: venv
+	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy
+
+bench: install
+	$(BIN)/aenv bench $(if $(QUICK),--quick,)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

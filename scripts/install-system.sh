@@ -1,0 +1,41 @@
+#!/bin/sh
+# Installs the Debian packages aenv needs. Idempotent: a second run with
+# everything present touches nothing and returns in well under a second.
+set -eu
+
+PKGS="runsc debootstrap iproute2 iptables util-linux e2fsprogs procps ca-certificates \
+curl redis-server docker-registry skopeo psmisc"
+
+missing=""
+for p in $PKGS; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"
+done
+# runsc must be the bookworm-backports build (>= 20240729): checkpoint --leave-running and
+# network namespaces only work from that release on.
+if command -v runsc >/dev/null 2>&1; then
+    runsc --version 2>/dev/null | grep -Eq '20(2[4-9]|[3-9][0-9])' || missing="$missing runsc"
+fi
+[ -z "$missing" ] && exit 0
+
+src=/etc/apt/sources.list.d/bookworm-backports.sources
+if [ ! -f "$src" ]; then
+    uris=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | grep -v security | head -n1)
+    [ -n "$uris" ] || uris=http://deb.debian.org/debian
+    cat >"$src" <<SRC
+Types: deb
+URIs: $uris
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+fi
+echo "aenv: installing system packages:$missing" >&2
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends $(echo "$missing" | sed 's/runsc//') >/dev/null
+case "$missing" in *runsc*) apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null ;; esac
+# The packaged services must not hold ports the tests use; tests start their own.
+for svc in redis-server docker-registry; do
+    systemctl disable --now "$svc" >/dev/null 2>&1 || true
+    pkill -f "/usr/bin/$svc" 2>/dev/null || true
+done

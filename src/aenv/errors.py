@@ -1,0 +1,76 @@
+"""One error hierarchy, mapped once to E2B's `{code, message}` JSON and HTTP statuses.
+
+Routes and services raise these; the API layer turns them into responses, the CLI into
+one-line messages. Nothing formats errors by hand.
+"""
+
+from __future__ import annotations
+
+
+class AenvError(Exception):
+    status: int = 500
+
+    def __init__(self, message: str, *, error_code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.error_code = error_code
+
+    def to_json(self) -> dict[str, object]:
+        body: dict[str, object] = {"code": self.status, "message": self.message}
+        if self.error_code:
+            body["error_code"] = self.error_code
+        return body
+
+
+class BadRequest(AenvError):
+    status = 400
+
+
+class Unauthorized(AenvError):
+    status = 401
+
+
+class Forbidden(AenvError):
+    status = 403
+
+
+class NotFound(AenvError):
+    status = 404
+
+
+class Conflict(AenvError):
+    status = 409
+
+
+class Gone(AenvError):
+    """A paused sandbox reached through the proxy without auto-resume."""
+
+    status = 410
+
+
+class TooManyRequests(AenvError):
+    status = 429
+
+
+class InternalError(AenvError):
+    status = 500
+
+
+class BadGateway(AenvError):
+    status = 502
+
+
+class Unavailable(AenvError):
+    status = 503
+
+
+class GatewayTimeout(AenvError):
+    status = 504
+
+
+class InsufficientStorage(AenvError):
+    status = 507
+
+
+class RuntimeFailure(InternalError):
+    """A runtime (runsc, netns, mount) operation failed; the message carries its stderr."""

@@ -1,0 +1,123 @@
+"""The isolation-backend interface. Backends live beside this file and are chosen at startup.
+
+A backend boots a sandbox from a `SandboxSpec` (rootfs layers + mounts + init command + limits)
+inside its own network slot, and can freeze, thaw, checkpoint, restore and destroy it. It knows
+nothing about envd, templates or the API: the orchestrator composes those into the spec.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Mount:
+    source: Path
+    destination: str
+    readonly: bool = True
+
+
+@dataclass
+class SandboxSpec:
+    sandbox_id: str
+    # Read-only layer directories, topmost first (overlayfs `lowerdir` order).
+    layers: list[Path]
+    # The sandbox's first process (envd); argv and environment.
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    mounts: list[Mount] = field(default_factory=list)
+    cpu_count: int = 2
+    memory_mb: int = 512
+    hostname: str = "sandbox"
+    cwd: str = "/"
+
+
+@dataclass
+class Instance:
+    """A running (or frozen) sandbox as the backend sees it. Serialisable via `to_json`."""
+
+    sandbox_id: str
+    container_id: str
+    # Address on the host through which every port of the sandbox is reachable.
+    address: str
+    slot: int
+    bundle_dir: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sandbox_id": self.sandbox_id,
+            "container_id": self.container_id,
+            "address": self.address,
+            "slot": self.slot,
+            "bundle_dir": str(self.bundle_dir),
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Instance:
+        return cls(
+            sandbox_id=d["sandbox_id"],
+            container_id=d["container_id"],
+            address=d["address"],
+            slot=int(d["slot"]),
+            bundle_dir=Path(d["bundle_dir"]),
+            extra=dict(d.get("extra") or {}),
+        )
+
+
+@dataclass
+class Stats:
+    cpu_used_pct: float
+    mem_used_bytes: int
+    mem_total_bytes: int
+    rss_bytes: int
+
+
+class Runtime(abc.ABC):
+    """One isolation backend. All methods are async and keep blocking work off the loop."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    async def start(self, keep: set[str]) -> dict[str, Instance]:
+        """Prepare the host (pools, NAT) and reconcile after a crash.
+
+        `keep` holds the container ids the catalog still knows as running/frozen: the backend
+        returns the ones it could recover (still alive) and removes every other trace it left
+        on the host (containers, netns, veths, mounts, bundle dirs)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop background work (pools); sandboxes keep running."""
+
+    @abc.abstractmethod
+    async def create(self, spec: SandboxSpec) -> Instance:
+        """Boot a sandbox; returns once its init process was started (not once envd answers)."""
+
+    @abc.abstractmethod
+    async def destroy(self, inst: Instance) -> None:
+        """Remove the sandbox and everything it held; idempotent."""
+
+    @abc.abstractmethod
+    async def freeze(self, inst: Instance) -> None: ...
+
+    @abc.abstractmethod
+    async def thaw(self, inst: Instance) -> None: ...
+
+    @abc.abstractmethod
+    async def checkpoint(self, inst: Instance, image_dir: Path, *, leave_running: bool) -> None:
+        """Write memory + process state (and in-sandbox FS state the backend keeps) to image_dir."""
+
+    @abc.abstractmethod
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> Instance:
+        """Start a new sandbox (own id, own network slot) from a checkpoint image."""
+
+    @abc.abstractmethod
+    async def stats(self, inst: Instance) -> Stats: ...
+
+    @abc.abstractmethod
+    async def alive(self, inst: Instance) -> bool: ...
