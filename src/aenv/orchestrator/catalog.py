@@ -1,0 +1,138 @@
+"""The node's catalog: sandboxes and templates in SQLite under $AENV_HOME.
+
+Records are stored as JSON documents next to the few columns we query on. Every call is
+small; the async wrappers run them in a worker thread so the event loop never waits on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import threading
+from collections.abc import Iterable
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from .models import SandboxRecord, State
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    doc TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS templates (
+    id TEXT PRIMARY KEY,
+    doc TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS template_names (
+    name TEXT PRIMARY KEY,
+    template_id TEXT NOT NULL REFERENCES templates(id) ON DELETE CASCADE
+);
+"""
+
+
+def _record_to_doc(r: SandboxRecord) -> str:
+    d = asdict(r)
+    d["started_at"] = r.started_at.isoformat()
+    d["end_at"] = r.end_at.isoformat()
+    d["state"] = r.state.value
+    return json.dumps(d)
+
+
+def _doc_to_record(doc: str) -> SandboxRecord:
+    d = json.loads(doc)
+    d["started_at"] = datetime.fromisoformat(d["started_at"])
+    d["end_at"] = datetime.fromisoformat(d["end_at"])
+    d["state"] = State(d["state"])
+    return SandboxRecord(**d)
+
+
+class Catalog:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _run(self, sql: str, args: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return self._db.execute(sql, tuple(args)).fetchall()
+
+    # --- sandboxes (sync; small and called from threads or at startup) ---
+    def put_sandbox(self, r: SandboxRecord) -> None:
+        self._run(
+            "INSERT INTO sandboxes(id, state, doc) VALUES(?,?,?) "
+            "ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc",
+            (r.sandbox_id, r.state.value, _record_to_doc(r)),
+        )
+
+    def delete_sandbox(self, sandbox_id: str) -> None:
+        self._run("DELETE FROM sandboxes WHERE id=?", (sandbox_id,))
+
+    def sandboxes(self) -> list[SandboxRecord]:
+        return [_doc_to_record(doc) for (doc,) in self._run("SELECT doc FROM sandboxes")]
+
+    # --- templates: documents with an id and any number of unique names ---
+    def put_template(self, template_id: str, doc: dict[str, Any], names: Iterable[str] = ()) -> None:
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute(
+                    "INSERT INTO templates(id, doc) VALUES(?,?) "
+                    "ON CONFLICT(id) DO UPDATE SET doc=excluded.doc",
+                    (template_id, json.dumps(doc)),
+                )
+                for name in names:
+                    self._db.execute(
+                        "INSERT INTO template_names(name, template_id) VALUES(?,?) "
+                        "ON CONFLICT(name) DO UPDATE SET template_id=excluded.template_id",
+                        (name, template_id),
+                    )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def template(self, id_or_name: str) -> tuple[str, dict[str, Any], list[str]] | None:
+        rows = self._run("SELECT id, doc FROM templates WHERE id=?", (id_or_name,))
+        if not rows:
+            rows = self._run(
+                "SELECT t.id, t.doc FROM templates t JOIN template_names n ON n.template_id=t.id "
+                "WHERE n.name=?",
+                (id_or_name,),
+            )
+        if not rows:
+            return None
+        tid, doc = rows[0]
+        names = [n for (n,) in self._run("SELECT name FROM template_names WHERE template_id=?", (tid,))]
+        return tid, json.loads(doc), names
+
+    def templates(self) -> list[tuple[str, dict[str, Any], list[str]]]:
+        out = []
+        for tid, doc in self._run("SELECT id, doc FROM templates ORDER BY id"):
+            names = [n for (n,) in self._run("SELECT name FROM template_names WHERE template_id=?", (tid,))]
+            out.append((tid, json.loads(doc), names))
+        return out
+
+    def delete_template(self, template_id: str) -> bool:
+        with self._lock:
+            self._db.execute("DELETE FROM template_names WHERE template_id=?", (template_id,))
+            cur = self._db.execute("DELETE FROM templates WHERE id=?", (template_id,))
+            return cur.rowcount > 0
+
+    # --- async conveniences for the server ---
+    async def aput_sandbox(self, r: SandboxRecord) -> None:
+        await asyncio.to_thread(self.put_sandbox, r)
+
+    async def adelete_sandbox(self, sandbox_id: str) -> None:
+        await asyncio.to_thread(self.delete_sandbox, sandbox_id)

@@ -1,0 +1,53 @@
+"""The node process: builds the parts once from Settings and serves them with uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from .config import Settings
+from .orchestrator.catalog import Catalog
+from .orchestrator.service import Orchestrator
+
+log = logging.getLogger("aenv.server")
+
+
+def build_orchestrator(settings: Settings) -> Orchestrator:
+    from .images.layers import LayerStore
+    from .runtime.bundle import ensure_bundle
+    from .runtime.gvisor import GVisorRuntime
+
+    settings.home.mkdir(parents=True, exist_ok=True)
+    catalog = Catalog(settings.catalog_path)
+    layers = LayerStore(settings)
+    bundle = ensure_bundle(settings)
+    runtime = GVisorRuntime(settings)
+    return Orchestrator(settings, catalog, runtime, layer_path=layers.path, bundle=bundle)
+
+
+def serve(settings: Settings) -> None:
+    from .api.app import create_app
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    key_file = settings.secrets_dir / "api-key"
+    fresh_key = not settings.api_key and not key_file.exists()
+    key = settings.effective_api_key
+    if fresh_key:
+        print(f"aenv: generated API key (stored in {key_file}):\n  {key}", file=sys.stderr)
+    orch = build_orchestrator(settings)
+    app = create_app(settings, orch)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=75,
+    )
+    print(f"aenv: serving on {settings.url} (home {settings.home})", file=sys.stderr)
+    uvicorn.Server(config).run()

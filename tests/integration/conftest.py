@@ -1,0 +1,162 @@
+"""A real aenv server (real gVisor sandboxes) for the integration tests.
+
+Each test session gets its own AENV_HOME, network prefix and address range, so it never
+collides with a server a developer runs on the same host. Everything it started is removed
+by id at the end, even when tests fail: sandboxes through the API, then whatever is left
+through the runtime's own reconcile with nothing to keep.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+AENV = str(Path(sys.executable).with_name("aenv"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    api_key: str
+    home: Path
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"X-API-Key": self.api_key}, timeout=60)
+
+    def start(self) -> None:
+        assert self.log_path is not None
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [AENV, "server"], env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"aenv server exited:\n{self.log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 204:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"aenv server did not start:\n{self.log_path.read_text()[-4000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill_all_sandboxes(self) -> None:
+        with self.client() as c:
+            for sbx in c.get("/sandboxes").json():
+                c.delete(f"/sandboxes/{sbx['sandboxID']}")
+
+
+def _wipe_runtime(env: dict[str, str]) -> None:
+    """Remove every container, netns, veth and mount this session's settings own."""
+    code = (
+        "import asyncio\n"
+        "from aenv.config import Settings\n"
+        "from aenv.runtime.gvisor import GVisorRuntime\n"
+        "async def main():\n"
+        "    rt = GVisorRuntime(Settings(net_pool_size=0))\n"
+        "    await rt.start(set())\n"
+        "    await rt.close()\n"
+        "asyncio.run(main())\n"
+    )
+    subprocess.run([sys.executable, "-c", code], env=env, check=False, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    if os.geteuid() != 0 or not shutil.which("runsc"):
+        pytest.skip("integration tests need root and runsc (run `make test`)")
+    home = Path(tempfile.mkdtemp(prefix="aenv-it-"))
+    port = _free_port()
+    env = dict(os.environ)
+    env.update(
+        AENV_HOME=str(home),
+        AENV_LISTEN=f"127.0.0.1:{port}",
+        AENV_API_KEY="e2b_integration_" + os.urandom(8).hex(),
+        AENV_NET_PREFIX="aeit",
+        AENV_NET_CIDR="10.203.0.0/16",
+        AENV_NET_POOL_SIZE="2",
+    )
+    subprocess.run([AENV, "template", "build-base", "--quiet"], env=env, check=True, timeout=900)
+    srv = Server(
+        url=f"http://127.0.0.1:{port}",
+        api_key=env["AENV_API_KEY"],
+        home=home,
+        env=env,
+        log_path=home / "server.log",
+    )
+    srv.start()
+    try:
+        yield srv
+    finally:
+        try:
+            if srv.proc is not None:
+                srv.kill_all_sandboxes()
+        except Exception:
+            pass
+        srv.stop()
+        _wipe_runtime(env)
+        subprocess.run(["umount", "-R", "-l", str(home)], check=False, capture_output=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def e2b_env(server: Server) -> Iterator[Server]:
+    """Point the stock E2B SDKs at the server through the environment, as a user would."""
+    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
+    os.environ.update(E2B_API_URL=server.url, E2B_SANDBOX_URL=server.url, E2B_API_KEY=server.api_key)
+    try:
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def sandboxes(e2b_env: Server) -> Iterator[list[object]]:
+    """Collects SDK sandboxes a test creates and kills them by id afterwards."""
+    made: list[object] = []
+    yield made
+    from e2b import Sandbox
+
+    for sbx in made:
+        try:
+            Sandbox.kill(sbx.sandbox_id)  # type: ignore[attr-defined]
+        except Exception:
+            pass
+

@@ -1,0 +1,74 @@
+"""Small helpers shared by integration tests."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+
+from e2b import Sandbox
+
+# A stdlib-only WebSocket echo server to run inside a sandbox (the base image has python3
+# but no third-party packages). Text frames are echoed as text, binary as binary.
+WS_ECHO_SERVER = r'''
+import base64, hashlib, socket, struct, sys, threading
+GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+def recvn(c, n):
+    b = b""
+    while len(b) < n:
+        d = c.recv(n - len(b))
+        if not d: raise EOFError
+        b += d
+    return b
+def serve(c):
+    req = b""
+    while b"\r\n\r\n" not in req:
+        req += c.recv(4096)
+    key = [l.split(b":", 1)[1].strip() for l in req.split(b"\r\n") if l.lower().startswith(b"sec-websocket-key")][0]
+    acc = base64.b64encode(hashlib.sha1(key + GUID.encode()).digest())
+    c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: " + acc + b"\r\n\r\n")
+    try:
+        while True:
+            h = recvn(c, 2); op = h[0] & 0x0F; n = h[1] & 0x7F
+            if n == 126: n = struct.unpack(">H", recvn(c, 2))[0]
+            elif n == 127: n = struct.unpack(">Q", recvn(c, 8))[0]
+            mask = recvn(c, 4) if h[1] & 0x80 else b"\0\0\0\0"
+            data = bytes(b ^ mask[i % 4] for i, b in enumerate(recvn(c, n)))
+            if op == 8:
+                c.sendall(b"\x88\x02" + data[:2]); break
+            if op in (1, 2):
+                hdr = bytes([0x80 | op])
+                hdr += bytes([len(data)]) if len(data) < 126 else b"\x7e" + struct.pack(">H", len(data))
+                c.sendall(hdr + data)
+    except EOFError:
+        pass
+    c.close()
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(16)
+while True:
+    c, _ = s.accept(); threading.Thread(target=serve, args=(c,), daemon=True).start()
+'''
+
+
+def sandbox_address(home: Path, sandbox_id: str) -> str:
+    """The host-side address of a sandbox, read from the node's catalog."""
+    db = sqlite3.connect(str(home / "catalog.db"))
+    try:
+        (doc,) = db.execute("SELECT doc FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone()
+    finally:
+        db.close()
+    return str(json.loads(doc)["instance"]["address"])
+
+
+def wait_port(sbx: Sandbox, port: int, timeout: float = 15) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        r = sbx.commands.run(
+            f"python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", {port}), 1)' "
+            "&& echo up || true"
+        )
+        if "up" in r.stdout:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"port {port} did not open in the sandbox")

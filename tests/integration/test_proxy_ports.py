@@ -1,0 +1,58 @@
+"""A user app inside a sandbox, served through the node's single port (HTTP and WebSocket)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import websockets
+from e2b import Sandbox
+
+from .conftest import Server
+from .helpers import WS_ECHO_SERVER, wait_port
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def app_sbx(sandboxes: list[object]) -> Sandbox:
+    s = Sandbox.create(template="base", timeout=120)
+    sandboxes.append(s)
+    s.files.write("/home/user/site/index.html", "hello from the sandbox app\n")
+    s.commands.run("cd /home/user/site && python3 -m http.server 8080", background=True)
+    s.files.write("/home/user/ws.py", WS_ECHO_SERVER)
+    s.commands.run("python3 /home/user/ws.py 8765", background=True)
+    wait_port(s, 8080)
+    wait_port(s, 8765)
+    return s
+
+
+def test_http_by_headers_and_host(e2b_env: Server, app_sbx: Sandbox) -> None:
+    sid = app_sbx.sandbox_id
+    r = httpx.get(
+        f"{e2b_env.url}/index.html", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8080"}
+    )
+    assert r.status_code == 200 and r.text == "hello from the sandbox app\n"
+    r = httpx.get(f"{e2b_env.url}/index.html", headers={"Host": f"8080-{sid}.localhost"})
+    assert r.status_code == 200 and r.text == "hello from the sandbox app\n"
+    # a port nobody listens on is a JSON 502, an unknown sandbox a JSON 404
+    r = httpx.get(f"{e2b_env.url}/", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "9"})
+    assert r.status_code == 502 and r.json()["code"] == 502
+    r = httpx.get(
+        f"{e2b_env.url}/", headers={"E2b-Sandbox-Id": "inosuchsandbox00000", "E2b-Sandbox-Port": "8080"}
+    )
+    assert r.status_code == 404 and "message" in r.json()
+
+
+def test_websocket(e2b_env: Server, app_sbx: Sandbox) -> None:
+    async def go() -> None:
+        url = e2b_env.url.replace("http://", "ws://") + "/echo"
+        hdrs = {"E2b-Sandbox-Id": app_sbx.sandbox_id, "E2b-Sandbox-Port": "8765"}
+        async with websockets.connect(url, additional_headers=hdrs) as ws:
+            await ws.send("ping text")
+            assert await ws.recv() == "ping text"
+            await ws.send(b"\x00\x01binary")
+            assert await ws.recv() == b"\x00\x01binary"
+
+    asyncio.run(go())

@@ -1,0 +1,142 @@
+"""The stock E2B Python SDK against a real server with real gVisor sandboxes."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+from e2b import CommandExitException, NotFoundException, Sandbox
+from e2b.exceptions import SandboxException
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def sbx(sandboxes: list[object]) -> Sandbox:
+    s = Sandbox.create(
+        template="base", timeout=120, metadata={"suite": "sdk", "who": "pytest"}, envs={"GREETING": "hi"}
+    )
+    sandboxes.append(s)
+    return s
+
+
+def test_create_info_and_list(sbx: Sandbox) -> None:
+    info = sbx.get_info()
+    assert info.sandbox_id == sbx.sandbox_id
+    assert info.template_id
+    assert info.metadata == {"suite": "sdk", "who": "pytest"}
+    assert info.state.value == "running"
+    listed = Sandbox.list(query={"metadata": {"who": "pytest"}}).next_items()  # type: ignore[arg-type]
+    assert sbx.sandbox_id in [s.sandbox_id for s in listed]
+    other = Sandbox.list(query={"metadata": {"who": "nobody"}}).next_items()  # type: ignore[arg-type]
+    assert sbx.sandbox_id not in [s.sandbox_id for s in other]
+
+
+def test_commands(sbx: Sandbox) -> None:
+    r = sbx.commands.run("echo out; echo err >&2")
+    assert r.stdout == "out\n" and r.stderr == "err\n" and r.exit_code == 0
+    with pytest.raises(CommandExitException) as ei:
+        sbx.commands.run("echo bad >&2; exit 3")
+    assert ei.value.exit_code == 3 and "bad" in ei.value.stderr
+    # create-time envs, per-command envs, cwd
+    assert sbx.commands.run("echo $GREETING-$X", envs={"X": "y"}).stdout == "hi-y\n"
+    assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+    # default user and root
+    assert sbx.commands.run("whoami").stdout.strip() == "user"
+    assert sbx.commands.run("pwd").stdout.strip() == "/home/user"
+    assert sbx.commands.run("whoami", user="root").stdout.strip() == "root"
+    assert sbx.commands.run("sudo -n whoami").stdout.strip() == "root"
+
+
+def test_streaming_callbacks_in_order(sbx: Sandbox) -> None:
+    seen: list[str] = []
+    sbx.commands.run(
+        "for i in 1 2 3 4 5; do echo line$i; sleep 0.05; done", on_stdout=lambda s: seen.append(s)
+    )
+    assert "".join(seen) == "".join(f"line{i}\n" for i in range(1, 6))
+
+
+def test_background_stdin_and_kill(sbx: Sandbox) -> None:
+    h = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.send_stdin(h.pid, "hello stdin\n")
+    deadline = time.time() + 10
+    while "hello stdin" not in h.stdout and time.time() < deadline:
+        time.sleep(0.05)
+    assert "hello stdin" in h.stdout
+    assert h.pid in [p.pid for p in sbx.commands.list()]
+    assert sbx.commands.kill(h.pid)
+    with pytest.raises(CommandExitException):
+        h.wait()
+    assert h.pid not in [p.pid for p in sbx.commands.list()]
+
+
+def test_files(sbx: Sandbox) -> None:
+    sbx.files.write("notes/a.txt", "hello files")
+    assert sbx.files.read("notes/a.txt") == "hello files"
+    assert sbx.files.read("/home/user/notes/a.txt") == "hello files"
+    blob = os.urandom(1024 * 1024)
+    sbx.files.write("/tmp/blob.bin", blob)
+    assert bytes(sbx.files.read("/tmp/blob.bin", format="bytes")) == blob
+    assert sbx.commands.run("stat -c %s /tmp/blob.bin").stdout.strip() == str(len(blob))
+    names = [e.name for e in sbx.files.list("notes")]
+    assert names == ["a.txt"]
+    assert sbx.files.exists("notes/a.txt") and not sbx.files.exists("notes/missing")
+    sbx.files.rename("notes/a.txt", "notes/b.txt")
+    assert not sbx.files.exists("notes/a.txt") and sbx.files.read("notes/b.txt") == "hello files"
+    assert sbx.files.make_dir("deep/er/dir")
+    assert sbx.files.get_info("deep/er/dir").type is not None
+    sbx.files.remove("notes")
+    assert not sbx.files.exists("notes")
+    # files written through the API are the default user's
+    sbx.files.write("owned.txt", "x")
+    assert sbx.commands.run("stat -c %U owned.txt").stdout.strip() == "user"
+
+
+def test_pty(sbx: Sandbox) -> None:
+    from e2b.sandbox.commands.command_handle import PtySize
+
+    out: list[bytes] = []
+    got = threading.Event()
+
+    def on_data(b: bytes) -> None:
+        out.append(b)
+        if b"pty-marker-42" in b"".join(out):
+            got.set()
+
+    h = sbx.pty.create(PtySize(rows=24, cols=80), on_data=on_data)
+    sbx.pty.send_stdin(h.pid, b"echo pty-marker-$((40+2)); tty\n")
+    assert got.wait(15), b"".join(out)
+    sbx.pty.resize(h.pid, PtySize(rows=30, cols=100))
+    sbx.pty.send_stdin(h.pid, b"exit\n")
+    h.wait()
+
+
+def test_timeout_kill_and_not_found(sandboxes: list[object]) -> None:
+    s = Sandbox.create(template="base", timeout=60)
+    sandboxes.append(s)
+    s.set_timeout(300)
+    end = s.get_info().end_at
+    assert end.timestamp() - time.time() > 200
+    assert s.kill()
+    with pytest.raises(NotFoundException):
+        s.get_info()
+    assert Sandbox.kill(s.sandbox_id) is False
+    with pytest.raises(NotFoundException):
+        Sandbox.get_info("inotexisting0000000")
+    with pytest.raises((NotFoundException, SandboxException)):
+        Sandbox.connect("inotexisting0000000")
+
+
+def test_ttl_expiry_kills(sandboxes: list[object]) -> None:
+    s = Sandbox.create(template="base", timeout=2)
+    sandboxes.append(s)
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            s.get_info()
+        except NotFoundException:
+            return
+        time.sleep(0.5)
+    pytest.fail("sandbox outlived its timeout")
