@@ -7,6 +7,7 @@ lock per sandbox so lifecycle operations on one sandbox never interleave, and th
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import logging
 import secrets
@@ -138,7 +139,7 @@ class Orchestrator:
         metadata: dict[str, str] | None = None,
         states: set[str] | None = None,
         template: str | None = None,
-    ) -> list[SandboxRecord]:
+    ) -> builtins.list[SandboxRecord]:
         out = []
         for r in self._records.values():
             if r.state not in (State.RUNNING, State.PAUSED, State.PAUSING, State.RESUMING):
@@ -155,7 +156,7 @@ class Orchestrator:
         return out
 
     # ------------------------------------------------------------------ create
-    def _template(self, template_id: str) -> tuple[str, dict[str, Any], list[str]]:
+    def _template(self, template_id: str) -> tuple[str, dict[str, Any], builtins.list[str]]:
         found = self.catalog.template(template_id)
         if found is None:
             raise NotFound(f"template {template_id!r} not found")

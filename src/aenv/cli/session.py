@@ -1,0 +1,386 @@
+"""Running things in a sandbox from the terminal: `exec` (streamed stdout/stderr) and the
+interactive PTY shell of `start`/`connect`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import select
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any, BinaryIO, cast
+
+from .connect import ConnectError, EnvdClient, b64decode, b64encode
+from .errors import CliError
+
+START = "process.Process/Start"
+SEND_INPUT = "process.Process/SendInput"
+SEND_SIGNAL = "process.Process/SendSignal"
+CLOSE_STDIN = "process.Process/CloseStdin"
+UPDATE = "process.Process/Update"
+
+# Go's `syscall.Signal.String()` on Linux, as envd puts it in `status` ("signal: killed").
+_GO_SIGNAL_NAMES = {
+    "hangup": 1,
+    "interrupt": 2,
+    "quit": 3,
+    "illegal instruction": 4,
+    "trace/breakpoint trap": 5,
+    "aborted": 6,
+    "bus error": 7,
+    "floating point exception": 8,
+    "killed": 9,
+    "user defined signal 1": 10,
+    "segmentation fault": 11,
+    "user defined signal 2": 12,
+    "broken pipe": 13,
+    "alarm clock": 14,
+    "terminated": 15,
+}
+_SIGNAL_RE = re.compile(r"signal:?\s*(.+)$", re.IGNORECASE)
+_EXIT_RE = re.compile(r"exit status (-?\d+)")
+
+
+def signal_number(status: str) -> int | None:
+    """The signal named in an end event's `status`, e.g. "signal: killed" → 9."""
+    m = _SIGNAL_RE.search(status.strip())
+    if not m:
+        return None
+    name = m.group(1).strip().rstrip(".").lower()
+    if name.isdigit():
+        return int(name)
+    if name in _GO_SIGNAL_NAMES:
+        return _GO_SIGNAL_NAMES[name]
+    upper = name.upper()
+    for candidate in (upper, "SIG" + upper):
+        with contextlib.suppress(KeyError):
+            return int(signal.Signals[candidate])
+    return None
+
+
+def exit_code_of(end: dict[str, Any]) -> int:
+    """The local exit code for a process `end` event: its exit code, 128+n for a signal,
+    1 when unknown. proto3 JSON omits zero values, so a missing field is 0/false."""
+    try:
+        code = int(end.get("exitCode", 0))
+    except (TypeError, ValueError):
+        code = 1
+    status = str(end.get("status") or "")
+    if end.get("exited") and code >= 0:
+        return code & 0xFF
+    sig = signal_number(status)
+    if sig is not None:
+        return 128 + sig
+    m = _EXIT_RE.search(status)
+    if m:
+        return int(m.group(1)) & 0xFF
+    if code >= 0:
+        return code & 0xFF if code or not end.get("error") else 1
+    if code < -1:  # a Popen-style -N for signal N
+        return 128 + (-code)
+    return 1
+
+
+def _event(msg: dict[str, Any]) -> tuple[str, Any]:
+    event = msg.get("event")
+    if not isinstance(event, dict) or not event:
+        return "", None
+    kind = next(iter(event))
+    return kind, event[kind]
+
+
+def _write(stream: BinaryIO, data: bytes) -> None:
+    stream.write(data)
+    stream.flush()
+
+
+def _binary(stream: Any) -> BinaryIO:
+    buf = getattr(stream, "buffer", None)
+    return cast(BinaryIO, buf if buf is not None else stream)
+
+
+def _stdin_fd() -> int | None:
+    try:
+        return sys.stdin.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _read_chunks(stop: threading.Event) -> Iterator[bytes]:
+    """Local stdin in chunks as they become available; stops at EOF or when `stop` is set."""
+    fd = _stdin_fd()
+    if fd is not None:
+        while not stop.is_set():
+            try:
+                ready, _, _ = select.select([fd], [], [], 0.2)
+            except (OSError, ValueError):
+                return
+            if not ready:
+                continue
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            yield data
+        return
+    stream = _binary(sys.stdin)
+    read1 = getattr(stream, "read1", None)
+    while not stop.is_set():
+        data = read1(65536) if read1 is not None else stream.read(65536)
+        if not data:
+            return
+        yield data
+
+
+# -- exec ---------------------------------------------------------------------------------
+
+
+def run_command(
+    envd: EnvdClient,
+    command: str,
+    *,
+    envs: dict[str, str] | None = None,
+    cwd: str | None = None,
+    forward_stdin: bool = False,
+    timeout_ms: int | None = None,
+    stdout: BinaryIO | None = None,
+    stderr: BinaryIO | None = None,
+) -> int:
+    """Run `command` with `bash -l -c` like the SDK's `commands.run`, streaming its output
+    as it arrives; returns the local exit code. Calls made while the stream is open (stdin,
+    kill on ^C) use a clone of `envd`."""
+    out = stdout or _binary(sys.stdout)
+    err = stderr or _binary(sys.stderr)
+    process: dict[str, Any] = {"cmd": "/bin/bash", "args": ["-l", "-c", command]}
+    if envs:
+        process["envs"] = envs
+    if cwd:
+        process["cwd"] = cwd
+    request: dict[str, Any] = {"process": process}
+    if forward_stdin:
+        request["stdin"] = True
+    make_client = envd.clone
+
+    pid: int | None = None
+    end: dict[str, Any] | None = None
+    stop = threading.Event()
+    feeder: threading.Thread | None = None
+    try:
+        for msg in envd.stream(START, request, timeout_ms=timeout_ms):
+            kind, body = _event(msg)
+            if kind == "start":
+                pid = int((body or {}).get("pid", 0))
+                if forward_stdin and feeder is None:
+                    feeder = threading.Thread(
+                        target=_feed_stdin, args=(make_client, pid, stop), daemon=True
+                    )
+                    feeder.start()
+            elif kind == "data" and isinstance(body, dict):
+                for key, value in body.items():
+                    if isinstance(value, str) and value:
+                        _write(err if key == "stderr" else out, b64decode(value))
+            elif kind == "end":
+                end = body if isinstance(body, dict) else {}
+    except KeyboardInterrupt:
+        stop.set()
+        if pid is not None:
+            with contextlib.suppress(CliError), make_client() as killer:
+                killer.unary(SEND_SIGNAL, {"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"})
+        return 130
+    finally:
+        stop.set()
+    if pid is None and end is None:
+        raise CliError("the command stream ended before the process started")
+    if end is None:
+        raise CliError("the command ended without an end event")
+    if end.get("error"):
+        print(f"aenv: {end['error']}", file=sys.stderr)
+    return exit_code_of(end)
+
+
+def _feed_stdin(make_client: Callable[[], EnvdClient], pid: int, stop: threading.Event) -> None:
+    with contextlib.suppress(CliError), make_client() as client:
+        for data in _read_chunks(stop):
+            client.unary(SEND_INPUT, {"process": {"pid": pid}, "input": {"stdin": b64encode(data)}})
+        if not stop.is_set():
+            with contextlib.suppress(CliError):
+                client.unary(CLOSE_STDIN, {"process": {"pid": pid}})
+
+
+# -- interactive shell --------------------------------------------------------------------
+
+
+def terminal_size() -> tuple[int, int]:
+    """(cols, rows) of the local terminal, else $COLUMNS/$LINES, else 80x24."""
+    for stream in (sys.stdout, sys.stdin, sys.stderr):
+        try:
+            size = os.get_terminal_size(stream.fileno())
+            if size.columns and size.lines:
+                return size.columns, size.lines
+        except (AttributeError, OSError, ValueError):
+            continue
+    size = shutil.get_terminal_size((80, 24))
+    return size.columns, size.lines
+
+
+class _RawMode:
+    """Puts a TTY in raw mode and restores it, however the session ends."""
+
+    def __init__(self, fd: int | None) -> None:
+        self.fd = fd
+        self._saved: list[Any] | None = None
+
+    def __enter__(self) -> _RawMode:
+        if self.fd is not None and os.isatty(self.fd):
+            import termios
+            import tty
+
+            self._saved = termios.tcgetattr(self.fd)
+            tty.setraw(self.fd, termios.TCSANOW)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None and self.fd is not None:
+            import termios
+
+            with contextlib.suppress(OSError):
+                termios.tcsetattr(self.fd, termios.TCSADRAIN, self._saved)
+            self._saved = None
+
+
+def attach_shell(
+    make_client: Callable[[], EnvdClient],
+    *,
+    envs: dict[str, str] | None = None,
+    cwd: str | None = None,
+    keepalive: Callable[[], None] | None = None,
+    keepalive_interval: float = 60.0,
+) -> int:
+    """An interactive `bash -i -l` on a PTY in the sandbox, wired to the local terminal.
+
+    The local TTY (if stdin is one) is put in raw mode; keystrokes go to SendInput, window
+    size changes to Update, PTY output to stdout. When stdin is not a TTY its content is
+    sent as typed input followed by ^D. `keepalive` is called every `keepalive_interval`
+    seconds while attached (to push the sandbox's timeout forward). Returns the shell's
+    exit code.
+    """
+    cols, rows = terminal_size()
+    term = os.environ.get("TERM") or "xterm-256color"
+    process: dict[str, Any] = {
+        "cmd": "/bin/bash",
+        "args": ["-i", "-l"],
+        "envs": {"TERM": term, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", **(envs or {})},
+    }
+    if cwd:
+        process["cwd"] = cwd
+    request = {"process": process, "pty": {"size": {"cols": cols, "rows": rows}}}
+
+    fd = _stdin_fd()
+    interactive = fd is not None and os.isatty(fd)
+    out = _binary(sys.stdout)
+    jobs: queue.Queue[tuple[str, Any]] = queue.Queue()
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    old_winch: Any = None
+    winch_installed = False
+    end: dict[str, Any] | None = None
+
+    def on_winch(signum: int, frame: FrameType | None) -> None:
+        jobs.put(("resize", terminal_size()))
+
+    envd = make_client()
+    try:
+        with _RawMode(fd if interactive else None):
+            try:
+                for msg in envd.stream(START, request):
+                    kind, body = _event(msg)
+                    if kind == "start" and not threads:
+                        pid = int((body or {}).get("pid", 0))
+                        if interactive and threading.current_thread() is threading.main_thread():
+                            old_winch = signal.signal(signal.SIGWINCH, on_winch)
+                            winch_installed = True
+                        threads = [
+                            threading.Thread(
+                                target=_pump_input, args=(jobs, stop, interactive), daemon=True
+                            ),
+                            threading.Thread(
+                                target=_shell_worker,
+                                args=(make_client, pid, jobs, keepalive, keepalive_interval),
+                                daemon=True,
+                            ),
+                        ]
+                        for t in threads:
+                            t.start()
+                    elif kind == "data" and isinstance(body, dict):
+                        for value in body.values():
+                            if isinstance(value, str) and value:
+                                _write(out, b64decode(value))
+                    elif kind == "end":
+                        end = body if isinstance(body, dict) else {}
+            finally:
+                stop.set()
+                if winch_installed:
+                    signal.signal(signal.SIGWINCH, old_winch)
+                jobs.put(("stop", None))
+                for t in threads:
+                    t.join(timeout=2.0)
+    finally:
+        envd.close()
+    if end is None:
+        raise ConnectError("unavailable", "the shell ended without an end event")
+    return exit_code_of(end)
+
+
+def _pump_input(
+    jobs: queue.Queue[tuple[str, Any]], stop: threading.Event, interactive: bool
+) -> None:
+    last = b"\n"
+    for data in _read_chunks(stop):
+        jobs.put(("input", data))
+        last = data[-1:]
+    if not interactive and not stop.is_set():
+        # Piped input is over: finish the line, then ^D so the shell exits.
+        jobs.put(("input", (b"" if last == b"\n" else b"\n") + b"\x04"))
+
+
+def _shell_worker(
+    make_client: Callable[[], EnvdClient],
+    pid: int,
+    jobs: queue.Queue[tuple[str, Any]],
+    keepalive: Callable[[], None] | None,
+    interval: float,
+) -> None:
+    selector = {"pid": pid}
+    next_keepalive = time.monotonic() + interval
+    with make_client() as client:
+        while True:
+            wait = max(0.0, next_keepalive - time.monotonic()) if keepalive else None
+            try:
+                kind, value = jobs.get(timeout=wait)
+            except queue.Empty:
+                with contextlib.suppress(CliError):
+                    if keepalive:
+                        keepalive()
+                next_keepalive = time.monotonic() + interval
+                continue
+            if kind == "stop":
+                return
+            with contextlib.suppress(CliError):
+                if kind == "input":
+                    client.unary(
+                        SEND_INPUT, {"process": selector, "input": {"pty": b64encode(value)}}
+                    )
+                elif kind == "resize":
+                    c, r = value
+                    client.unary(
+                        UPDATE, {"process": selector, "pty": {"size": {"cols": c, "rows": r}}}
+                    )

@@ -1,0 +1,528 @@
+"""The default template `base`: a Debian bookworm rootfs built with debootstrap.
+
+`build_base(settings)` makes sure template `base` exists in `settings`' catalog with its one
+layer in the layer store. The expensive part (debootstrap, ~1 min) runs once per machine and
+recipe: the finished rootfs is kept in a machine-wide cache (`/var/cache/aenv/base-<recipe>/`,
+override with `$AENV_CACHE_DIR`) and every `$AENV_HOME` imports it with hard links (`cp -al`),
+which takes well under a second. Layers are read-only, so sharing inodes with the cache is
+safe; deleting the cache does not affect imported layers.
+
+The function knows nothing about the CLI: it reports progress through an optional callback
+`progress(stage, detail)`; `aenv.images.cli_hooks.build_base_command` renders it with rich.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ..config import Settings
+from ..errors import AenvError
+from ..orchestrator.catalog import Catalog
+from .layers import LayerStore, tree_digest
+
+TEMPLATE_ID = "base"
+TEMPLATE_NAME = "base"
+
+SUITE = "bookworm"
+VARIANT = "minbase"
+# What the brief asks for, plus: netbase (/etc/services, /etc/protocols for getaddrinfo with
+# service names), git and python3-pip (what agents reach for first; E2B's base has both).
+PACKAGES: tuple[str, ...] = (
+    "bash",
+    "coreutils",
+    "procps",
+    "python3",
+    "python3-pip",
+    "sudo",
+    "ca-certificates",
+    "curl",
+    "iproute2",
+    "less",
+    "netbase",
+    "git",
+)
+USER_NAME = "user"
+USER_UID = 1000
+HOSTNAME = "sandbox"
+# Bump when the post-debootstrap setup (users, files, cleanup) changes: gives a new cache dir.
+SETUP_VERSION = 1
+
+DEFAULT_MIRROR = "http://deb.debian.org/debian"
+DEFAULT_SECURITY_MIRROR = "http://deb.debian.org/debian-security"
+DEFAULT_CACHE_DIR = Path("/var/cache/aenv")
+KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+ProgressFn = Callable[[str, str], None]
+
+
+class BaseBuildError(AenvError):
+    """debootstrap or the rootfs setup failed; the message carries the tool's last output."""
+
+
+def recipe() -> dict[str, Any]:
+    return {
+        "suite": SUITE,
+        "variant": VARIANT,
+        "packages": sorted(PACKAGES),
+        "user": [USER_NAME, USER_UID],
+        "setup_version": SETUP_VERSION,
+    }
+
+
+def recipe_hash() -> str:
+    raw = json.dumps(recipe(), sort_keys=True).encode()
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("AENV_CACHE_DIR") or DEFAULT_CACHE_DIR)
+
+
+# --- mirrors --------------------------------------------------------------------------------
+
+
+def _deb822_stanzas(text: str) -> Iterator[dict[str, str]]:
+    for block in text.split("\n\n"):
+        fields: dict[str, str] = {}
+        key = ""
+        for line in block.splitlines():
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            if line[0] in " \t" and key:
+                fields[key] += " " + line.strip()
+                continue
+            if ":" in line:
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                fields[key] = value.strip()
+        if fields:
+            yield fields
+
+
+def host_mirrors(etc_apt: Path = Path("/etc/apt")) -> tuple[str | None, str | None]:
+    """(main mirror, security mirror) from the host's apt sources, None where not found."""
+    main: str | None = None
+    security: str | None = None
+    entries: list[tuple[list[str], list[str]]] = []  # (uris, suites)
+    src_dir = etc_apt / "sources.list.d"
+    files = sorted(src_dir.glob("*.sources")) if src_dir.is_dir() else []
+    for f in files:
+        with contextlib.suppress(OSError):
+            for st in _deb822_stanzas(f.read_text()):
+                if st.get("enabled", "yes").lower() == "no":
+                    continue
+                if "deb" not in st.get("types", "deb").split():
+                    continue
+                entries.append((st.get("uris", "").split(), st.get("suites", "").split()))
+    legacy = [
+        etc_apt / "sources.list",
+        *(sorted(src_dir.glob("*.list")) if src_dir.is_dir() else []),
+    ]
+    for f in legacy:
+        with contextlib.suppress(OSError):
+            for line in f.read_text().splitlines():
+                parts = line.split()
+                if not parts or parts[0] != "deb":
+                    continue
+                parts = parts[1:]
+                if parts and parts[0].startswith("["):
+                    while parts and not parts[0].endswith("]"):
+                        parts = parts[1:]
+                    parts = parts[1:]
+                if len(parts) >= 2:
+                    entries.append(([parts[0]], [parts[1]]))
+    for uris, suites in entries:
+        if not uris:
+            continue
+        if main is None and SUITE in suites:
+            main = uris[0].rstrip("/")
+        if security is None and f"{SUITE}-security" in suites:
+            security = uris[0].rstrip("/")
+    return main, security
+
+
+def mirrors(settings: Settings) -> tuple[str, str]:
+    main, security = host_mirrors()
+    if settings.debian_mirror:
+        main = settings.debian_mirror.rstrip("/")
+    return main or DEFAULT_MIRROR, security or DEFAULT_SECURITY_MIRROR
+
+
+# --- the machine-wide cache -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _flock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _mounts_under(path: Path) -> list[str]:
+    prefix = str(path.resolve()).rstrip("/") + "/"
+    out: list[str] = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4].encode().decode("unicode_escape")
+            if mp == prefix[:-1] or mp.startswith(prefix):
+                out.append(mp)
+    return out
+
+
+def _remove_build_dir(path: Path) -> None:
+    """Removes a (possibly half-built) rootfs: first unmounts whatever debootstrap left
+    mounted inside (proc, sys, dev binds), then `rm -rf --one-file-system`."""
+    if not path.exists():
+        return
+    for mp in sorted(_mounts_under(path), key=len, reverse=True):
+        subprocess.run(["umount", "-l", mp], capture_output=True, check=False)
+    left = _mounts_under(path)
+    if left:
+        raise BaseBuildError(f"cannot remove {path}: still mounted: {', '.join(left)}")
+    subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], check=True)
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink() or path.exists():
+        path.unlink()
+    path.write_text(text)
+    os.chown(path, 0, 0)
+    path.chmod(mode)
+
+
+def _chroot(rootfs: Path, *args: str) -> None:
+    env = {"PATH": PATH, "LC_ALL": "C", "HOME": "/root", "DEBIAN_FRONTEND": "noninteractive"}
+    r = subprocess.run(
+        ["chroot", str(rootfs), *args], env=env, capture_output=True, text=True, check=False
+    )
+    if r.returncode != 0:
+        raise BaseBuildError(f"chroot {' '.join(args)}: {(r.stderr or r.stdout).strip()}")
+
+
+def _empty_dir(path: Path, keep: tuple[str, ...] = ()) -> None:
+    if not path.is_dir():
+        return
+    for entry in path.iterdir():
+        if entry.name in keep:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+_DPKG_EXCLUDES = """\
+# aenv base: keep the image small, also for packages installed later (like Debian's slim).
+path-exclude /usr/share/doc/*
+path-include /usr/share/doc/*/copyright
+path-exclude /usr/share/man/*
+path-exclude /usr/share/groff/*
+path-exclude /usr/share/info/*
+path-exclude /usr/share/lintian/*
+path-exclude /usr/share/linda/*
+path-exclude /usr/share/locale/*
+path-include /usr/share/locale/locale.alias
+"""
+
+
+def configure_rootfs(rootfs: Path, main_mirror: str, security_mirror: str) -> None:
+    """Everything after debootstrap: users, host files, apt sources, cleanup."""
+    # Users: root (exists) and `user` (uid 1000, own group, member of sudo, bash).
+    _chroot(
+        rootfs,
+        "useradd",
+        "--create-home",
+        "--home-dir",
+        f"/home/{USER_NAME}",
+        "--uid",
+        str(USER_UID),
+        "--user-group",
+        "--groups",
+        "sudo",
+        "--shell",
+        "/bin/bash",
+        USER_NAME,
+    )
+    _write(
+        rootfs / "etc/sudoers.d/90-aenv-user",
+        f"{USER_NAME} ALL=(ALL:ALL) NOPASSWD: ALL\n",
+        0o440,
+    )
+    _write(rootfs / "etc/hostname", f"{HOSTNAME}\n")
+    _write(
+        rootfs / "etc/hosts",
+        f"127.0.0.1\tlocalhost {HOSTNAME}\n"
+        "::1\t\tlocalhost ip6-localhost ip6-loopback\n"
+        "ff02::1\t\tip6-allnodes\n"
+        "ff02::2\t\tip6-allrouters\n",
+    )
+    # Placeholder: the runtime puts the sandbox's real resolver here at start.
+    _write(
+        rootfs / "etc/resolv.conf",
+        "# placeholder written by aenv; the runtime replaces it when a sandbox starts\n"
+        "nameserver 1.1.1.1\nnameserver 8.8.8.8\n",
+    )
+    _write(
+        rootfs / "etc/apt/sources.list",
+        f"deb {main_mirror} {SUITE} main\n"
+        f"deb {main_mirror} {SUITE}-updates main\n"
+        f"deb {security_mirror} {SUITE}-security main\n",
+    )
+    _write(rootfs / "etc/dpkg/dpkg.cfg.d/90-aenv-excludes", _DPKG_EXCLUDES)
+    # `pip install` works as in E2B's images (as `user` it falls back to ~/.local).
+    for marker in (rootfs / "usr/lib").glob("python3*/EXTERNALLY-MANAGED"):
+        marker.unlink()
+    # Mount point of the envd runtime bundle.
+    opt = rootfs / "opt/aenv"
+    opt.mkdir(parents=True, exist_ok=True)
+    opt.chmod(0o755)
+
+    # Cleanup: apt caches and lists, logs, docs/man/locales (see the dpkg excludes).
+    _empty_dir(rootfs / "var/cache/apt/archives", keep=("partial", "lock"))
+    _empty_dir(rootfs / "var/cache/apt/archives/partial")
+    for p in (rootfs / "var/cache/apt").glob("*.bin"):
+        p.unlink()
+    _empty_dir(rootfs / "var/lib/apt/lists", keep=("partial", "lock"))
+    _empty_dir(rootfs / "var/lib/apt/lists/partial")
+    for p in (rootfs / "var/log").rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            p.write_bytes(b"")
+    for p in [
+        *(rootfs / "var/cache/debconf").glob("*-old"),
+        *(rootfs / "var/lib/dpkg").glob("*-old"),
+    ]:
+        p.unlink()
+    for doc in (rootfs / "usr/share/doc").glob("*"):
+        if doc.is_dir() and not doc.is_symlink():
+            for entry in doc.iterdir():
+                if entry.name == "copyright":
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+    _empty_dir(rootfs / "usr/share/man")
+    _empty_dir(rootfs / "usr/share/info")
+    _empty_dir(rootfs / "usr/share/locale", keep=("locale.alias",))
+    for p in (rootfs / "root").glob(".*_history"):
+        p.unlink()
+
+
+def _debootstrap(target: Path, main_mirror: str, cache: Path, progress: ProgressFn | None) -> None:
+    if shutil.which("debootstrap") is None and not Path("/usr/sbin/debootstrap").exists():
+        raise BaseBuildError("debootstrap is not installed (apt-get install debootstrap)")
+    debs = cache / "debs"
+    debs.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        "debootstrap",
+        f"--variant={VARIANT}",
+        f"--include={','.join(PACKAGES)}",
+        "--components=main",
+        f"--cache-dir={debs}",
+    ]
+    if KEYRING.exists():
+        cmd.append(f"--keyring={KEYRING}")
+    cmd += [SUITE, str(target), main_mirror]
+    env = {k: v for k, v in os.environ.items() if k.lower().endswith("_proxy")}
+    env.update({"PATH": PATH, "LC_ALL": "C", "DEBIAN_FRONTEND": "noninteractive"})
+    tail: deque[str] = deque(maxlen=30)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip()
+        if not line:
+            continue
+        tail.append(line)
+        if progress:
+            progress("debootstrap", line)
+    rc = proc.wait()
+    if rc != 0:
+        log = target / "debootstrap/debootstrap.log"
+        extra = ""
+        with contextlib.suppress(OSError):
+            extra = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        raise BaseBuildError(
+            f"debootstrap failed (exit {rc}):\n" + "\n".join(tail) + ("\n" + extra if extra else "")
+        )
+
+
+def ensure_cached_rootfs(
+    settings: Settings,
+    *,
+    force: bool = False,
+    progress: ProgressFn | None = None,
+    cache_dir: Path | None = None,
+) -> tuple[Path, dict[str, Any]]:
+    """The machine-wide cached base rootfs for the current recipe, built if missing.
+
+    Returns (rootfs dir, meta) where meta holds at least `digest`, `size`, `files`. Safe
+    against concurrent callers (a file lock per recipe) and interrupted builds."""
+    cache = cache_dir or cache_root()
+    rh = recipe_hash()
+    final = cache / f"base-{rh}"
+    meta_path = final / "meta.json"
+    with _flock(cache / f"base-{rh}.lock"):
+        if not force and meta_path.is_file() and (final / "rootfs").is_dir():
+            return final / "rootfs", json.loads(meta_path.read_text())
+        # Leftovers of interrupted builds of this recipe (we hold the lock: they are stale).
+        for stale in cache.glob(f".base-{rh}.tmp-*"):
+            _remove_build_dir(stale)
+        work = cache / f".base-{rh}.tmp-{os.getpid()}"
+        work.mkdir(parents=True)
+        try:
+            main_mirror, security_mirror = mirrors(settings)
+            if progress:
+                progress("debootstrap", f"{SUITE} from {main_mirror}")
+            t0 = time.monotonic()
+            _debootstrap(work / "rootfs", main_mirror, cache, progress)
+            t_deboot = time.monotonic() - t0
+            for mp in sorted(_mounts_under(work), key=len, reverse=True):
+                subprocess.run(["umount", "-l", mp], capture_output=True, check=False)
+            if progress:
+                progress("configure", "users, sudo, hosts, cleanup")
+            configure_rootfs(work / "rootfs", main_mirror, security_mirror)
+            if progress:
+                progress("hash", "computing the layer digest")
+            digest, size, files = tree_digest(work / "rootfs")
+            meta = {
+                "digest": digest,
+                "size": size,
+                "files": files,
+                "recipe": recipe(),
+                "recipe_hash": rh,
+                "mirror": main_mirror,
+                "created": datetime.now(UTC).isoformat(timespec="seconds"),
+                "debootstrap_seconds": round(t_deboot, 1),
+            }
+            (work / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+            if final.exists():
+                # --force: move the old cache away first. Layers imported from it keep their
+                # own hard links, so nothing that uses it breaks.
+                old = cache / f".base-{rh}.tmp-old-{os.getpid()}"
+                os.rename(final, old)
+                _remove_build_dir(old)
+            os.rename(work, final)
+        except BaseException:
+            _remove_build_dir(work)
+            raise
+    return final / "rootfs", meta
+
+
+# --- the template ---------------------------------------------------------------------------
+
+
+def template_doc(
+    settings: Settings, layers: list[str], cache_meta: dict[str, Any]
+) -> dict[str, Any]:
+    """The catalog document of template `base` (the shape the orchestrator reads)."""
+    return {
+        "kind": "image",
+        "layers": layers,  # topmost first
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "env": {"PATH": PATH, "LANG": "C.UTF-8"},
+        "workdir": f"/home/{USER_NAME}",
+        "user": USER_NAME,
+        "cpu_count": settings.default_cpu_count,
+        "memory_mb": settings.default_memory_mb,
+        "source": f"debootstrap {VARIANT} {SUITE}",
+        "recipe_hash": cache_meta.get("recipe_hash", recipe_hash()),
+        "size": cache_meta.get("size"),
+    }
+
+
+def base_is_current(settings: Settings, catalog: Catalog | None = None) -> list[str] | None:
+    """The layers of template `base` if it is registered, its layers exist and it was built
+    from the current recipe; None otherwise. Cheap (one SQLite read, a few stats)."""
+    if not settings.catalog_path.exists():
+        return None
+    own = catalog is None
+    cat = catalog or Catalog(settings.catalog_path)
+    try:
+        found = cat.template(TEMPLATE_ID)
+    finally:
+        if own:
+            cat.close()
+    if not found:
+        return None
+    _tid, doc, _names = found
+    layers = list(doc.get("layers") or [])
+    if not layers or doc.get("recipe_hash") != recipe_hash():
+        return None
+    store = LayerStore(settings)
+    if not all(store.has(d) for d in layers):
+        return None
+    return layers
+
+
+def build_base(
+    settings: Settings,
+    *,
+    force: bool = False,
+    progress: ProgressFn | None = None,
+    cache_dir: Path | None = None,
+) -> list[str]:
+    """Makes sure template `base` exists; returns its layer digests (topmost first).
+
+    Idempotent: when `base` is registered from the current recipe and its layers are in the
+    store, returns at once. Otherwise imports the machine-wide cached rootfs (building it
+    with debootstrap first when missing) into the layer store and registers the template.
+    `force` rebuilds everything, debootstrap included (downloaded .debs stay cached).
+    """
+    if not force:
+        layers = base_is_current(settings)
+        if layers:
+            if progress:
+                progress("done", "template base is up to date")
+            return layers
+    if os.geteuid() != 0:
+        raise BaseBuildError("building the base template needs root (debootstrap, chroot)")
+    settings.home.mkdir(parents=True, exist_ok=True)
+    store = LayerStore(settings)
+    store.root.mkdir(parents=True, exist_ok=True)
+    with _flock(store.root / ".base.lock"):
+        if not force:
+            layers = base_is_current(settings)
+            if layers:
+                return layers
+        if progress:
+            progress("cache", f"machine cache {cache_dir or cache_root()}")
+        rootfs, meta = ensure_cached_rootfs(
+            settings, force=force, progress=progress, cache_dir=cache_dir
+        )
+        if progress:
+            progress("import", f"{meta['digest']} into {store.root}")
+        digest = store.add_dir(
+            rootfs,
+            digest=meta["digest"],
+            mode="link",
+            source=f"debootstrap {VARIANT} {SUITE} (recipe {meta.get('recipe_hash', '?')})",
+        )
+        layers = [digest]
+        catalog = Catalog(settings.catalog_path)
+        try:
+            catalog.put_template(TEMPLATE_ID, template_doc(settings, layers, meta), [TEMPLATE_NAME])
+        finally:
+            catalog.close()
+        if progress:
+            progress("done", f"template base = {digest}")
+        return layers

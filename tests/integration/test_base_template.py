@@ -1,0 +1,146 @@
+"""Template `base`: debootstrap rootfs (machine-wide cache) imported into a fresh AENV_HOME.
+
+The first run on a fresh machine pays debootstrap (~1 min); afterwards a new AENV_HOME
+imports the cached rootfs with hard links in well under a second."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from aenv.config import Settings
+from aenv.images.base import TEMPLATE_ID, build_base, recipe_hash
+from aenv.images.layers import LayerStore
+from aenv.orchestrator.catalog import Catalog
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
+    pytest.mark.skipif(shutil.which("debootstrap") is None, reason="needs debootstrap"),
+]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Settings, list[str], float]:
+    settings = Settings(home=tmp_path_factory.mktemp("aenv-home"))
+    t0 = time.monotonic()
+    layers = build_base(settings)
+    return settings, layers, time.monotonic() - t0
+
+
+def test_template_is_registered(built: tuple[Settings, list[str], float]) -> None:
+    settings, layers, _ = built
+    cat = Catalog(settings.catalog_path)
+    try:
+        found = cat.template("base")
+    finally:
+        cat.close()
+    assert found is not None
+    tid, doc, names = found
+    assert tid == TEMPLATE_ID and names == ["base"]
+    assert doc["layers"] == layers and len(layers) == 1
+    assert doc["kind"] == "image"
+    assert doc["workdir"] == "/home/user" and doc["user"] == "user"
+    assert doc["cpu_count"] == 2 and doc["memory_mb"] == 512
+    assert "/usr/bin" in doc["env"]["PATH"]
+    assert doc["created_at"]
+    assert doc["recipe_hash"] == recipe_hash()
+
+
+def test_rootfs_content(built: tuple[Settings, list[str], float]) -> None:
+    settings, layers, _ = built
+    store = LayerStore(settings)
+    root = store.path(layers[0])
+    assert store.info(layers[0]).size > 50_000_000
+
+    home = root / "home/user"
+    assert home.is_dir() and home.stat().st_uid == 1000 and home.stat().st_gid == 1000
+    assert (home / ".bashrc").is_file()
+    passwd = (root / "etc/passwd").read_text()
+    assert "user:x:1000:1000::/home/user:/bin/bash" in passwd
+    assert any(
+        line.startswith("sudo:") and "user" in line.split(":")[3].split(",")
+        for line in (root / "etc/group").read_text().splitlines()
+    )
+    sudoers = root / "etc/sudoers.d/90-aenv-user"
+    assert sudoers.read_text().strip() == "user ALL=(ALL:ALL) NOPASSWD: ALL"
+    assert stat.S_IMODE(sudoers.stat().st_mode) == 0o440 and sudoers.stat().st_uid == 0
+    for tool in ("usr/bin/python3", "usr/bin/bash", "usr/bin/sudo", "usr/bin/curl", "usr/bin/git"):
+        assert (root / tool).exists(), tool
+    assert (root / "etc/hostname").read_text() == "sandbox\n"
+    hosts = (root / "etc/hosts").read_text()
+    assert "127.0.0.1\tlocalhost sandbox" in hosts
+    assert (root / "etc/resolv.conf").is_file() and not (root / "etc/resolv.conf").is_symlink()
+    assert (root / "opt/aenv").is_dir() and not list((root / "opt/aenv").iterdir())
+    assert not list((root / "var/lib/apt/lists").glob("*_Packages"))
+    assert not list((root / "var/cache/apt/archives").glob("*.deb"))
+
+
+def test_second_call_is_fast(built: tuple[Settings, list[str], float]) -> None:
+    settings, layers, _ = built
+    t0 = time.monotonic()
+    assert build_base(settings) == layers
+    assert time.monotonic() - t0 < 0.1
+
+
+def test_another_home_imports_from_the_machine_cache(
+    built: tuple[Settings, list[str], float], tmp_path: Path
+) -> None:
+    _, layers, _ = built
+    other = Settings(home=tmp_path / "other-home")
+    t0 = time.monotonic()
+    assert build_base(other) == layers
+    assert time.monotonic() - t0 < 5
+    a = LayerStore(built[0]).path(layers[0]) / "usr/bin/bash"
+    b = LayerStore(other).path(layers[0]) / "usr/bin/bash"
+    assert a.stat().st_ino == b.stat().st_ino  # hard links, no copy
+
+
+@pytest.fixture
+def overlay(built: tuple[Settings, list[str], float], tmp_path: Path) -> Iterator[Path]:
+    """The base layer as a read-only overlay lowerdir, like a sandbox sees it."""
+    settings, layers, _ = built
+    lower = LayerStore(settings).path(layers[0])
+    upper, work, merged = tmp_path / "upper", tmp_path / "work", tmp_path / "merged"
+    for d in (upper, work, merged):
+        d.mkdir()
+    opts = f"lowerdir={lower},upperdir={upper},workdir={work}"
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(merged)], check=True)
+    mounted = [merged]
+    try:
+        subprocess.run(["mount", "-t", "proc", "proc", str(merged / "proc")], check=True)
+        mounted.append(merged / "proc")
+        yield merged
+    finally:
+        for m in reversed(mounted):
+            subprocess.run(["umount", str(m)], check=False)
+
+
+def test_user_has_python_and_passwordless_sudo(overlay: Path) -> None:
+    script = "id -u; sudo -n id -u; python3 -c 'import sys; print(sys.version_info[0])'; pwd"
+    r = subprocess.run(
+        [
+            "chroot",
+            "--userspec=1000:1000",
+            str(overlay),
+            "/usr/bin/env",
+            "-i",
+            "HOME=/home/user",
+            "PATH=/usr/local/bin:/usr/bin:/bin",
+            "/bin/bash",
+            "-c",
+            f"cd ~ && {script}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1000", "0", "3", "/home/user"]
