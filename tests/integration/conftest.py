@@ -8,6 +8,7 @@ through the runtime's own reconcile with nothing to keep.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -155,8 +156,6 @@ def sandboxes(e2b_env: Server) -> Iterator[list[object]]:
     from e2b import Sandbox
 
     for sbx in made:
-        try:
+        with contextlib.suppress(Exception):
             Sandbox.kill(sbx.sandbox_id)  # type: ignore[attr-defined]
-        except Exception:
-            pass
 
