@@ -48,6 +48,9 @@ def serve(settings: Settings) -> None:
         access_log=False,
         lifespan="on",
         timeout_keep_alive=75,
+        # The proxy passes the sandbox's own headers through; uvicorn must not add a second set.
+        server_header=False,
+        date_header=False,
     )
     print(f"aenv: serving on {settings.url} (home {settings.home})", file=sys.stderr)
     uvicorn.Server(config).run()

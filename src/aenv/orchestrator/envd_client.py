@@ -44,7 +44,9 @@ class EnvdClient:
         workdir: str | None,
         current_token: str | None = None,
     ) -> None:
-        body: dict[str, object] = {"accessToken": token, "envVars": env_vars}
+        body: dict[str, object] = {"envVars": env_vars}
+        if token:
+            body["accessToken"] = token
         if user:
             body["defaultUser"] = user
         if workdir:

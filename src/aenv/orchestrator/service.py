@@ -203,7 +203,7 @@ class Orchestrator:
             disk_mb=s.default_disk_mb,
             state=State.CREATING,
             envd_version=ENVD_VERSION,
-            envd_access_token=secrets.token_urlsafe(24),
+            envd_access_token=secrets.token_urlsafe(24) if req.secure else "",
             metadata=dict(req.metadata),
             env_vars=dict(req.env_vars),
             auto_pause=req.auto_pause,

@@ -1,0 +1,57 @@
+"""The app factory: the control-plane FastAPI app, wrapped by the data-plane router.
+
+`create_app` is the one place where the two planes are composed onto the single port:
+requests carrying `E2b-Sandbox-Id` (or a `Host: {port}-{id}.{domain}`) go to sandboxes,
+everything else to the control app built by `create_control_app`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp
+
+from aenv import __version__
+from aenv.config import Settings
+from aenv.orchestrator.service import Orchestrator
+from aenv.proxy.dispatch import SandboxRouter
+
+from .errors import install_error_handlers
+from .idempotency import IdempotencyCache
+from .routes import health, sandboxes
+
+
+def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAPI:
+    """The E2B control plane alone (no data-plane routing); its lifespan owns the orchestrator."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        settings.effective_api_key  # noqa: B018 (generate/read the key now, not on a request)
+        await orchestrator.start()
+        try:
+            yield
+        finally:
+            await orchestrator.close()
+
+    app = FastAPI(
+        title="aenv",
+        version=__version__,
+        description="E2B-compatible control plane for gVisor sandboxes.",
+        openapi_url="/openapi.json",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.orchestrator = orchestrator
+    app.state.idempotency = IdempotencyCache()
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(sandboxes.router)
+    return app
+
+
+def create_app(settings: Settings, orchestrator: Orchestrator) -> ASGIApp:
+    """The node's single ASGI app: data plane in front of the control plane."""
+    control = create_control_app(settings, orchestrator)
+    return SandboxRouter(control, orchestrator.resolve, list(settings.domains))

@@ -1,0 +1,104 @@
+"""Query parsing and cursor pagination for `GET /sandboxes` and `GET /v2/sandboxes`."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Literal
+from urllib.parse import parse_qsl, unquote
+
+from aenv.errors import BadRequest
+from aenv.orchestrator.models import SandboxRecord
+
+Order = Literal["asc", "desc"]
+API_STATES = ("running", "paused")
+
+
+def parse_metadata_filter(raw: str | None) -> dict[str, str] | None:
+    """`metadata=k%3Dv%26k2%3Dv2` arrives here as `k=v&k2=v2`.
+
+    The Python SDK quotes each key and value before urlencoding the pair list, so every key
+    and value is unquoted once more after splitting (harmless for plain values)."""
+    if raw is None or not raw.strip():
+        return None
+    try:
+        pairs = parse_qsl(raw, keep_blank_values=True, strict_parsing=True)
+    except ValueError as exc:
+        raise BadRequest(
+            f"invalid metadata filter {raw!r}: expected k=v pairs joined by '&'"
+        ) from exc
+    result = {unquote(k): unquote(v) for k, v in pairs}
+    if "" in result:
+        raise BadRequest(f"invalid metadata filter {raw!r}: empty key")
+    return result
+
+
+def parse_states(raw: Iterable[str]) -> set[str]:
+    """`state=running,paused` (or repeated `state=`); empty means both."""
+    wanted = {s.strip().lower() for item in raw for s in item.split(",") if s.strip()}
+    bad = wanted.difference(API_STATES)
+    if bad:
+        raise BadRequest(
+            f"invalid state {', '.join(sorted(bad))!s}: expected running and/or paused"
+        )
+    return wanted or set(API_STATES)
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Position after the last item of a page: (startedAt, sandboxID) of that item."""
+
+    started_at: datetime
+    sandbox_id: str
+
+    def encode(self) -> str:
+        raw = json.dumps([self.started_at.isoformat(), self.sandbox_id], separators=(",", ":"))
+        return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+    @classmethod
+    def decode(cls, token: str) -> Cursor:
+        try:
+            raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+            started, sandbox_id = json.loads(raw)
+            if not isinstance(started, str) or not isinstance(sandbox_id, str):
+                raise ValueError("wrong types")
+            when = datetime.fromisoformat(started)
+        except (binascii.Error, ValueError, TypeError, UnicodeDecodeError) as exc:
+            raise BadRequest("invalid nextToken") from exc
+        return cls(aware(when), sandbox_id)
+
+
+def aware(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def _key(record: SandboxRecord) -> tuple[datetime, str]:
+    return (aware(record.started_at), record.sandbox_id)
+
+
+def paginate(
+    records: Sequence[SandboxRecord],
+    *,
+    order: Order,
+    limit: int | None,
+    cursor: Cursor | None,
+) -> tuple[list[SandboxRecord], str | None]:
+    """One page of `records` sorted by (startedAt, sandboxID) and the token of the next page.
+
+    The token is None on the last page (no empty trailing page: it is only issued when more
+    items exist). Because the cursor is a position, not an offset, sandboxes created or
+    deleted between pages neither repeat nor shift the remaining ones."""
+    desc = order == "desc"
+    items = sorted(records, key=_key, reverse=desc)
+    if cursor is not None:
+        mark = (cursor.started_at, cursor.sandbox_id)
+        items = [r for r in items if (_key(r) < mark if desc else _key(r) > mark)]
+    if limit is None or len(items) <= limit:
+        return items, None
+    page = items[:limit]
+    last = page[-1]
+    return page, Cursor(aware(last.started_at), last.sandbox_id).encode()

@@ -1,0 +1,252 @@
+"""Pydantic models matching E2B's control-plane JSON exactly (camelCase on the wire).
+
+Request models ignore unknown fields (the SDKs send more than we use: network, mcp, iam, ...).
+Response models drop `None` fields when serialised, except the ones E2B always sends
+(`_KEEP_NULL`), so `model_dump(by_alias=True)` is the wire shape wherever it is called.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
+
+from aenv.orchestrator.models import SandboxRecord, State
+
+ApiState = Literal["running", "paused"]
+
+# How our lifecycle states look through E2B's two-state lens; the same mapping as
+# `Orchestrator.list(states=...)` applies. States missing here (killing, killed, lost) are
+# invisible: listed nowhere, 404 on get.
+_API_STATE: dict[State, ApiState] = {
+    State.CREATING: "running",
+    State.RUNNING: "running",
+    State.RESUMING: "running",
+    State.PAUSING: "running",
+    State.PAUSED: "paused",
+}
+
+
+def api_state(state: State) -> ApiState | None:
+    """The E2B state of a record, or None when the sandbox is gone as far as clients know."""
+    return _API_STATE.get(state)
+
+
+# --------------------------------------------------------------------------------------------
+# Requests
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class AutoResume(_Request):
+    enabled: bool = False
+
+
+class NewSandboxV2(_Request):
+    """Body of `POST /v2/sandboxes`."""
+
+    template_id: str = Field(alias="templateID", min_length=1, max_length=255)
+    timeout: int | None = Field(default=None, ge=0)
+    auto_pause: bool | None = Field(default=None, alias="autoPause")
+    auto_pause_memory: bool | None = Field(default=None, alias="autoPauseMemory")
+    auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
+    # snake_case on the wire, as E2B has it.
+    allow_internet_access: bool | None = None
+    metadata: dict[str, str] | None = None
+    env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
+    # Our extensions for a cold boot's size.
+    cpu_count: int | None = Field(default=None, alias="cpuCount", ge=1, le=16)
+    memory_mb: int | None = Field(default=None, alias="memoryMB", ge=128, le=65536)
+
+
+class NewSandbox(NewSandboxV2):
+    """Body of v1 `POST /sandboxes`: v2 plus `secure` (AgentENV decides envd auth with it)."""
+
+    secure: bool | None = None
+
+
+class ConnectSandbox(_Request):
+    """Body of v1 `POST /sandboxes/{id}/connect`: `timeout` is required."""
+
+    timeout: int = Field(ge=0)
+    memory: bool | None = None
+
+
+class ConnectSandboxV2(_Request):
+    """Body of `POST /v2/sandboxes/{id}/connect`."""
+
+    timeout: int | None = Field(default=None, ge=0)
+    memory: bool | None = None
+
+
+class ResumedSandbox(_Request):
+    """Body of the legacy `POST /sandboxes/{id}/resume`."""
+
+    timeout: int | None = Field(default=None, ge=0)
+    auto_pause: bool | None = Field(default=None, alias="autoPause")
+    memory: bool | None = None
+
+
+class TimeoutBody(_Request):
+    """Body of `POST /sandboxes/{id}/timeout`: seconds from now."""
+
+    timeout: int = Field(ge=0)
+
+
+class RefreshBody(_Request):
+    """Body of `POST /sandboxes/{id}/refreshes`."""
+
+    duration: int | None = Field(default=None, ge=0, le=3600)
+
+
+class PauseBody(_Request):
+    """Body of `POST /sandboxes/{id}/pause`."""
+
+    memory: bool | None = None
+    require_healthy_guest: bool | None = Field(default=None, alias="requireHealthyGuest")
+
+
+# --------------------------------------------------------------------------------------------
+# Responses
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
+    # Wire names that stay in the JSON as `null` instead of being dropped.
+    _KEEP_NULL: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _drop_nulls(self, handler: SerializerFunctionWrapHandler):
+        # No return annotation on purpose: the JSON schema then stays the model's own.
+        data = handler(self)
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k in self._KEEP_NULL}
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+class Sandbox(_Response):
+    """Create/connect/resume response."""
+
+    _KEEP_NULL: ClassVar[frozenset[str]] = frozenset({"trafficAccessToken", "domain"})
+
+    sandbox_id: str = Field(alias="sandboxID")
+    template_id: str = Field(alias="templateID")
+    client_id: str = Field(alias="clientID")
+    envd_version: str = Field(alias="envdVersion")
+    alias: str | None = None
+    envd_access_token: str | None = Field(default=None, alias="envdAccessToken")
+    traffic_access_token: str | None = Field(default=None, alias="trafficAccessToken")
+    domain: str | None = None
+
+    @classmethod
+    def from_record(cls, record: SandboxRecord) -> Sandbox:
+        return cls(
+            sandboxID=record.sandbox_id,
+            templateID=record.template_id,
+            clientID=record.client_id,
+            envdVersion=record.envd_version,
+            alias=record.alias,
+            envdAccessToken=record.envd_access_token or None,
+            # The secure-traffic issue may add this attribute to the record.
+            trafficAccessToken=getattr(record, "traffic_access_token", None) or None,
+            domain=None,
+        )
+
+
+class _SandboxInfo(_Response):
+    """Fields shared by `ListedSandbox` and `SandboxDetail`."""
+
+    template_id: str = Field(alias="templateID")
+    sandbox_id: str = Field(alias="sandboxID")
+    client_id: str = Field(alias="clientID")
+    alias: str | None = None
+    started_at: datetime = Field(alias="startedAt")
+    end_at: datetime = Field(alias="endAt")
+    cpu_count: int = Field(alias="cpuCount")
+    memory_mb: int = Field(alias="memoryMB")
+    disk_size_mb: int = Field(alias="diskSizeMB")
+    state: ApiState
+    envd_version: str = Field(alias="envdVersion")
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("started_at", "end_at")
+    @classmethod
+    def _tz(cls, value: datetime) -> datetime:
+        return _aware(value)
+
+    @classmethod
+    def _common(cls, record: SandboxRecord, state: ApiState) -> dict[str, Any]:
+        return {
+            "templateID": record.template_id,
+            "sandboxID": record.sandbox_id,
+            "clientID": record.client_id,
+            "alias": record.alias,
+            "startedAt": record.started_at,
+            "endAt": record.end_at,
+            "cpuCount": record.cpu_count,
+            "memoryMB": record.memory_mb,
+            "diskSizeMB": record.disk_mb,
+            "state": state,
+            "envdVersion": record.envd_version,
+            "metadata": dict(record.metadata),
+        }
+
+
+class ListedSandbox(_SandboxInfo):
+    """An item of `GET /sandboxes` and `GET /v2/sandboxes`."""
+
+    @classmethod
+    def from_record(cls, record: SandboxRecord, state: ApiState) -> ListedSandbox:
+        return cls(**cls._common(record, state))
+
+
+class Lifecycle(_Response):
+    auto_resume: bool = Field(alias="autoResume")
+    on_timeout: Literal["pause", "kill"] = Field(alias="onTimeout")
+
+
+class SandboxDetail(_SandboxInfo):
+    """`GET /sandboxes/{id}`."""
+
+    _KEEP_NULL: ClassVar[frozenset[str]] = frozenset({"domain"})
+
+    envd_access_token: str | None = Field(default=None, alias="envdAccessToken")
+    allow_internet_access: bool | None = Field(default=None, alias="allowInternetAccess")
+    domain: str | None = None
+    lifecycle: Lifecycle
+
+    @classmethod
+    def from_record(cls, record: SandboxRecord, state: ApiState) -> SandboxDetail:
+        return cls(
+            **cls._common(record, state),
+            envdAccessToken=record.envd_access_token or None,
+            allowInternetAccess=record.allow_internet_access,
+            domain=None,
+            lifecycle=Lifecycle(
+                autoResume=record.auto_resume,
+                onTimeout="pause" if record.auto_pause else "kill",
+            ),
+        )
+
+
+class ErrorBody(BaseModel):
+    """E2B's error JSON (for the OpenAPI document; errors are produced by `aenv.errors`)."""
+
+    code: int
+    message: str
+    error_code: str | None = None

@@ -1,0 +1,1 @@
+"""Control-plane routers, one module per resource."""

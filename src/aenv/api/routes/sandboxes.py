@@ -1,0 +1,360 @@
+"""E2B sandbox lifecycle routes: /sandboxes (v1) and /v2/sandboxes.
+
+Every route is a thin translation: validate the body (models.py), call one Orchestrator
+method, shape the record into E2B JSON. Errors are raised, never formatted here.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Header, Query, Response
+
+from aenv.config import Settings
+from aenv.errors import BadRequest, Conflict, NotFound
+from aenv.orchestrator.models import CreateRequest, SandboxRecord
+from aenv.orchestrator.service import Orchestrator
+
+from ..auth import require_api_key
+from ..deps import IdempotencyDep, OrchestratorDep, SettingsDep
+from ..idempotency import IdempotencyCache, validate_key
+from ..listing import Cursor, aware, paginate, parse_metadata_filter, parse_states
+from ..models import (
+    ApiState,
+    ConnectSandbox,
+    ConnectSandboxV2,
+    ErrorBody,
+    ListedSandbox,
+    NewSandbox,
+    NewSandboxV2,
+    PauseBody,
+    RefreshBody,
+    ResumedSandbox,
+    Sandbox,
+    SandboxDetail,
+    TimeoutBody,
+    api_state,
+)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody} for status in (400, 401, 404, 409, 500)
+}
+
+router = APIRouter(tags=["sandboxes"], dependencies=[Depends(require_api_key)], responses=_ERRORS)
+
+NEXT_TOKEN_HEADER = "x-next-token"
+SERVER_TIMING_HEADER = "Server-Timing"
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _visible_state(record: SandboxRecord) -> ApiState:
+    state = api_state(record.state)
+    if state is None:
+        raise NotFound(f"sandbox {record.sandbox_id} not found")
+    return state
+
+
+def _check_timeout(value: int | None, settings: Settings) -> None:
+    # The upper bound is a setting, so it cannot live in the pydantic models.
+    if value is not None and not 0 <= value <= settings.max_timeout:
+        raise BadRequest(f"timeout must be between 0 and {settings.max_timeout} seconds")
+
+
+_TOKEN_UNSAFE = re.compile(r"[^A-Za-z0-9!#$%&'*+.^_`|~-]")
+
+
+def server_timing(timings: object) -> str | None:
+    """`Server-Timing` value for the optional `record.timings`.
+
+    Either a mapping of stage name to milliseconds or an object holding one as `.stages`
+    (the orchestrator's `Timings`)."""
+    stages = getattr(timings, "stages", timings)
+    if not isinstance(stages, dict) or not stages:
+        return None
+    parts = []
+    for name, ms in stages.items():
+        if isinstance(ms, int | float):
+            parts.append(f"{_TOKEN_UNSAFE.sub('_', str(name)) or 'step'};dur={float(ms):.1f}")
+    return ", ".join(parts) or None
+
+
+def _add_timing(response: Response, record: SandboxRecord) -> None:
+    value = server_timing(getattr(record, "timings", None))
+    if value:
+        response.headers[SERVER_TIMING_HEADER] = value
+
+
+def _listed(records: list[SandboxRecord], wanted: set[str]) -> list[tuple[SandboxRecord, ApiState]]:
+    out = []
+    for record in records:
+        state = api_state(record.state)
+        if state is not None and state in wanted:
+            out.append((record, state))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# create
+
+
+async def _create(
+    body: NewSandboxV2,
+    *,
+    secure: bool,
+    key: str | None,
+    response: Response,
+    orchestrator: Orchestrator,
+    settings: Settings,
+    idempotency: IdempotencyCache,
+) -> Sandbox:
+    _check_timeout(body.timeout, settings)
+    key = validate_key(key)
+    req = CreateRequest(
+        template_id=body.template_id,
+        timeout=body.timeout,
+        metadata=dict(body.metadata or {}),
+        env_vars=dict(body.env_vars or {}),
+        cpu_count=body.cpu_count,
+        memory_mb=body.memory_mb,
+        auto_pause=bool(body.auto_pause),
+        auto_pause_memory=body.auto_pause_memory is not False,
+        auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
+        secure=secure,
+        allow_internet_access=body.allow_internet_access is not False,
+    )
+
+    async def create() -> tuple[Sandbox, str | None]:
+        record = await orchestrator.create(req)
+        return Sandbox.from_record(record), server_timing(getattr(record, "timings", None))
+
+    sandbox, timing = await idempotency.run(key, create)
+    if timing:
+        response.headers[SERVER_TIMING_HEADER] = timing
+    return sandbox
+
+
+IdempotencyKey = Annotated[
+    str | None,
+    Header(alias="Idempotency-Key", description="1-255 chars of [a-z0-9-]; retries reuse it"),
+]
+
+
+@router.post("/sandboxes", status_code=201, summary="Create a sandbox (v1)")
+async def create_sandbox_v1(
+    body: NewSandbox,
+    response: Response,
+    orchestrator: OrchestratorDep,
+    settings: SettingsDep,
+    idempotency: IdempotencyDep,
+    idempotency_key: IdempotencyKey = None,
+) -> Sandbox:
+    # v1 sandboxes are secure (envd needs the access token) only when asked, as in AgentENV.
+    return await _create(
+        body,
+        secure=body.secure is True,
+        key=idempotency_key,
+        response=response,
+        orchestrator=orchestrator,
+        settings=settings,
+        idempotency=idempotency,
+    )
+
+
+@router.post("/v2/sandboxes", status_code=201, summary="Create a sandbox")
+async def create_sandbox_v2(
+    body: NewSandboxV2,
+    response: Response,
+    orchestrator: OrchestratorDep,
+    settings: SettingsDep,
+    idempotency: IdempotencyDep,
+    idempotency_key: IdempotencyKey = None,
+) -> Sandbox:
+    return await _create(
+        body,
+        secure=True,
+        key=idempotency_key,
+        response=response,
+        orchestrator=orchestrator,
+        settings=settings,
+        idempotency=idempotency,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# list / get
+
+
+@router.get("/sandboxes", summary="List running sandboxes (v1, no pagination)")
+async def list_sandboxes_v1(
+    orchestrator: OrchestratorDep,
+    metadata: Annotated[str | None, Query(description="urlencoded k=v&k2=v2")] = None,
+) -> list[ListedSandbox]:
+    wanted = {"running"}
+    records = orchestrator.list(metadata=parse_metadata_filter(metadata), states=wanted)
+    return [ListedSandbox.from_record(r, s) for r, s in _listed(records, wanted)]
+
+
+@router.get("/v2/sandboxes", summary="List sandboxes")
+async def list_sandboxes_v2(
+    response: Response,
+    orchestrator: OrchestratorDep,
+    metadata: Annotated[str | None, Query(description="urlencoded k=v&k2=v2")] = None,
+    state: Annotated[list[str] | None, Query(description="running,paused")] = None,
+    template: Annotated[str | None, Query()] = None,
+    started_after: Annotated[datetime | None, Query(alias="startedAfter")] = None,
+    order: Annotated[Literal["asc", "desc"], Query()] = "desc",
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    next_token: Annotated[str | None, Query(alias="nextToken")] = None,
+) -> list[ListedSandbox]:
+    wanted = parse_states(state or [])
+    cursor = Cursor.decode(next_token) if next_token else None
+    records = orchestrator.list(
+        metadata=parse_metadata_filter(metadata),
+        states=wanted,
+        template=template or None,
+    )
+    if started_after is not None:
+        after = aware(started_after)
+        records = [r for r in records if aware(r.started_at) > after]
+    visible = _listed(records, wanted)
+    states = {r.sandbox_id: s for r, s in visible}
+    page, token = paginate([r for r, _ in visible], order=order, limit=limit, cursor=cursor)
+    if token:
+        response.headers[NEXT_TOKEN_HEADER] = token
+    return [ListedSandbox.from_record(r, states[r.sandbox_id]) for r in page]
+
+
+@router.get("/sandboxes/{sandbox_id}", summary="Get a sandbox")
+async def get_sandbox(sandbox_id: str, orchestrator: OrchestratorDep) -> SandboxDetail:
+    record = orchestrator.get(sandbox_id)
+    return SandboxDetail.from_record(record, _visible_state(record))
+
+
+# --------------------------------------------------------------------------------------------
+# lifecycle
+
+
+@router.delete("/sandboxes/{sandbox_id}", status_code=204, response_class=Response, summary="Kill")
+async def kill_sandbox(sandbox_id: str, orchestrator: OrchestratorDep) -> Response:
+    await orchestrator.kill(sandbox_id)
+    return Response(status_code=204)
+
+
+@router.post(
+    "/sandboxes/{sandbox_id}/timeout",
+    status_code=204,
+    response_class=Response,
+    summary="Set the timeout (seconds from now)",
+)
+async def set_timeout(
+    sandbox_id: str, body: TimeoutBody, orchestrator: OrchestratorDep, settings: SettingsDep
+) -> Response:
+    _check_timeout(body.timeout, settings)
+    await orchestrator.set_timeout(sandbox_id, body.timeout)
+    return Response(status_code=204)
+
+
+@router.post(
+    "/sandboxes/{sandbox_id}/refreshes",
+    status_code=204,
+    response_class=Response,
+    summary="Keep alive (legacy)",
+)
+async def refresh(
+    sandbox_id: str, orchestrator: OrchestratorDep, body: RefreshBody | None = None
+) -> Response:
+    await orchestrator.refresh(sandbox_id, body.duration if body else None)
+    return Response(status_code=204)
+
+
+async def _connect(
+    sandbox_id: str,
+    ttl: int | None,
+    memory: bool | None,
+    response: Response,
+    orchestrator: Orchestrator,
+    settings: Settings,
+) -> Sandbox:
+    _check_timeout(ttl, settings)
+    record, resumed = await orchestrator.connect(sandbox_id, ttl, memory)
+    response.status_code = 201 if resumed else 200
+    _add_timing(response, record)
+    return Sandbox.from_record(record)
+
+
+_CONNECT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"model": Sandbox, "description": "The sandbox was already running"},
+    201: {"model": Sandbox, "description": "The sandbox was resumed"},
+}
+
+
+@router.post(
+    "/sandboxes/{sandbox_id}/connect",
+    responses=_CONNECT_RESPONSES,
+    summary="Connect, resuming if paused (v1)",
+)
+async def connect_v1(
+    sandbox_id: str,
+    body: ConnectSandbox,
+    response: Response,
+    orchestrator: OrchestratorDep,
+    settings: SettingsDep,
+) -> Sandbox:
+    return await _connect(sandbox_id, body.timeout, body.memory, response, orchestrator, settings)
+
+
+@router.post(
+    "/v2/sandboxes/{sandbox_id}/connect",
+    responses=_CONNECT_RESPONSES,
+    summary="Connect, resuming if paused",
+)
+async def connect_v2(
+    sandbox_id: str,
+    response: Response,
+    orchestrator: OrchestratorDep,
+    settings: SettingsDep,
+    body: ConnectSandboxV2 | None = None,
+) -> Sandbox:
+    body = body or ConnectSandboxV2()
+    return await _connect(sandbox_id, body.timeout, body.memory, response, orchestrator, settings)
+
+
+@router.post(
+    "/sandboxes/{sandbox_id}/pause", status_code=204, response_class=Response, summary="Pause"
+)
+async def pause_sandbox(
+    sandbox_id: str,
+    orchestrator: OrchestratorDep,
+    body: PauseBody | None = None,
+) -> Response:
+    # TODO: `requireHealthyGuest` once the orchestrator can check envd before pausing.
+    memory = body.memory if body is not None and body.memory is not None else True
+    await orchestrator.pause(sandbox_id, memory=memory)
+    return Response(status_code=204)
+
+
+@router.post(
+    "/sandboxes/{sandbox_id}/resume", status_code=201, summary="Resume a paused sandbox (legacy)"
+)
+async def resume_sandbox(
+    sandbox_id: str,
+    response: Response,
+    orchestrator: OrchestratorDep,
+    settings: SettingsDep,
+    body: ResumedSandbox | None = None,
+) -> Sandbox:
+    body = body or ResumedSandbox()
+    _check_timeout(body.timeout, settings)
+    record = orchestrator.get(sandbox_id)
+    if _visible_state(record) == "running":
+        raise Conflict(f"sandbox {sandbox_id} is already running")
+    # TODO: `autoPause` (change the on-timeout action) needs an orchestrator setter.
+    record, _ = await orchestrator.connect(sandbox_id, body.timeout, body.memory)
+    response.status_code = 201
+    _add_timing(response, record)
+    return Sandbox.from_record(record)

@@ -1,0 +1,131 @@
+"""Shared pieces of the data-plane proxy: ASGI types, the resolved target, header hygiene."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
+
+#: Headers that pick the sandbox and port; they never reach the sandbox.
+ROUTING_HEADERS = frozenset(
+    {b"e2b-sandbox-id", b"e2b-sandbox-port", b"x-agentenv-sandbox-id", b"x-agentenv-target-port"}
+)
+
+#: RFC 9110 §7.6.1 connection-specific headers (plus the legacy ones still seen in the wild).
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where one routed request goes, and what of it is forwarded.
+
+    `headers` are the client's headers minus the routing headers (hop-by-hop headers are the
+    forwarders' business: HTTP and WebSocket treat `connection`/`upgrade` differently).
+    `raw_path` is the request target's path as the client sent it (percent-encoding intact),
+    `query` the raw query string without `?`.
+    """
+
+    sandbox_id: str
+    sandbox_port: int
+    host: str
+    port: int
+    raw_path: bytes
+    query: bytes
+    headers: Headers
+
+    @property
+    def request_target(self) -> bytes:
+        return self.raw_path + b"?" + self.query if self.query else self.raw_path
+
+    @property
+    def authority(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def unreachable(self, reason: str) -> dict[str, object]:
+        return {
+            "code": 502,
+            "message": f"sandbox {self.sandbox_id} port {self.sandbox_port} is not reachable: {reason}",
+        }
+
+
+def connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
+    """Header names nominated as hop-by-hop by `Connection` (lowercased)."""
+    tokens: set[bytes] = set()
+    for name, value in headers:
+        if name == b"connection":
+            tokens.update(t.strip().lower() for t in value.split(b",") if t.strip())
+    return tokens
+
+
+def end_to_end(headers: Iterable[tuple[bytes, bytes]], also_drop: frozenset[bytes]) -> Headers:
+    """`headers` without hop-by-hop headers, those named by `Connection`, and `also_drop`.
+
+    Names must already be lowercase (ASGI guarantees it for request headers)."""
+    headers = list(headers)
+    extra = connection_tokens(headers)
+    return [
+        (name, value)
+        for name, value in headers
+        if name not in HOP_BY_HOP and name not in also_drop and name not in extra
+    ]
+
+
+def json_body(payload: dict[str, object]) -> bytes:
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+async def send_json(send: Send, status: int, payload: dict[str, object]) -> None:
+    """A complete JSON HTTP response."""
+    body = json_body(payload)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def deny_websocket(
+    scope: Scope, send: Send, status: int, headers: Headers, body: bytes
+) -> None:
+    """Refuse a WebSocket handshake with an HTTP response when the server supports the ASGI
+    denial-response extension (uvicorn does); otherwise close, which servers answer with 403."""
+    if "websocket.http.response" in (scope.get("extensions") or {}):
+        await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": body, "more_body": False})
+    else:
+        await send({"type": "websocket.close", "code": 1008 if status < 500 else 1014})
+
+
+async def deny_websocket_json(
+    scope: Scope, send: Send, status: int, payload: dict[str, object]
+) -> None:
+    body = json_body(payload)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await deny_websocket(scope, send, status, headers, body)

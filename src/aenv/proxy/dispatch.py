@@ -1,0 +1,236 @@
+"""The one-port front: data-plane requests go to sandboxes, everything else to the control app.
+
+A request (HTTP or WebSocket) is data plane when
+
+1. it carries `E2b-Sandbox-Id` or `x-agentenv-sandbox-id` (port from `x-agentenv-target-port`
+   or `E2b-Sandbox-Port`, default 49983, envd). AgentENV's `/proxy` prefix is removed from
+   such requests (`/proxy/health` → `/health`), so `E2B_SANDBOX_URL=http://host:port/proxy`
+   works too; or
+2. its `Host` is `{port}-{sandboxID}.{domain}` for a configured domain (path unchanged).
+
+A `/proxy` path without a sandbox header is a 400; anything else (and lifespan) goes to the
+control app. The routing headers are removed before forwarding; hop-by-hop headers are the
+only others touched. `Host` is passed unchanged: an app in the sandbox sees the name the
+client used (`3000-<id>.<domain>`), as behind E2B's own edge, so the absolute URLs, redirects,
+cookies and host checks it makes are about the address the user reaches it by.
+
+Resolver errors keep their status and `{code, message}` body (NotFound 404, Gone 410, a failed
+auto-resume 502, a timed-out one 504...); an unreachable sandbox port is a 502 (the E2B SDK
+reads a 502 from envd `/health` as "sandbox not running").
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from urllib.parse import quote
+
+from aenv.errors import AenvError, BadRequest, GatewayTimeout, InternalError
+
+from ._common import (
+    ROUTING_HEADERS,
+    ASGIApp,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    Target,
+    deny_websocket_json,
+    send_json,
+)
+from .http import HttpForwarder
+from .ws import WebSocketForwarder
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 49983
+Resolver = Callable[[str, int], Awaitable[tuple[str, int]]]
+
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+_MAX_LABEL = 63
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    sandbox_id: str
+    port: int
+    strip_proxy_prefix: bool = False
+
+
+def _sandbox_id(raw: str) -> str:
+    if not _ID_RE.fullmatch(raw):
+        raise BadRequest(f"invalid sandbox id {raw[:80]!r}")
+    return raw
+
+
+def _port(raw: str) -> int:
+    raw = raw.strip()
+    if not (raw.isascii() and raw.isdigit()) or not 0 < int(raw) < 65536:
+        raise BadRequest(f"invalid sandbox port {raw[:16]!r}")
+    return int(raw)
+
+
+def _has_proxy_prefix(path: str | bytes) -> bool:
+    if isinstance(path, str):
+        return path == "/proxy" or path.startswith("/proxy/")
+    return path == b"/proxy" or path.startswith(b"/proxy/")
+
+
+class SandboxRouter:
+    """ASGI app: `SandboxRouter(control_app, resolver, domains)`."""
+
+    def __init__(
+        self,
+        control_app: ASGIApp,
+        resolver: Resolver,
+        domains: list[str],
+        *,
+        default_port: int = DEFAULT_PORT,
+        connect_timeout: float = 5.0,
+        http: HttpForwarder | None = None,
+        ws: WebSocketForwarder | None = None,
+    ) -> None:
+        self.control_app = control_app
+        self.resolver = resolver
+        self.domains = [d.strip().strip(".").lower() for d in domains if d.strip().strip(".")]
+        self.default_port = default_port
+        self.http = http or HttpForwarder(connect_timeout=connect_timeout)
+        self.ws = ws or WebSocketForwarder(connect_timeout=connect_timeout)
+
+    # -- routing -----------------------------------------------------------------------
+
+    def route(self, scope: Scope) -> Route | None:
+        """The sandbox and port a request is for, None for the control plane.
+
+        Raises BadRequest for malformed routing information."""
+        sid = e2b_sid = port = e2b_port = host = None
+        for name, value in scope["headers"]:
+            if name == b"x-agentenv-sandbox-id":
+                sid = value
+            elif name == b"e2b-sandbox-id":
+                e2b_sid = value
+            elif name == b"x-agentenv-target-port":
+                port = value
+            elif name == b"e2b-sandbox-port":
+                e2b_port = value
+            elif name == b"host":
+                host = value
+        sid = sid if sid is not None else e2b_sid
+        if sid is not None:
+            port = port if port is not None else e2b_port
+            raw_path = scope.get("raw_path") or scope["path"].encode()
+            return Route(
+                _sandbox_id(sid.decode("latin-1").strip()),
+                self.default_port if port is None else _port(port.decode("latin-1")),
+                _has_proxy_prefix(raw_path),
+            )
+        if host is not None and self.domains:
+            found = self._host_route(host.decode("latin-1"))
+            if found is not None:
+                return found
+        if _has_proxy_prefix(scope["path"]):
+            raise BadRequest(
+                "missing sandbox routing header (e2b-sandbox-id or x-agentenv-sandbox-id)"
+            )
+        return None
+
+    def _host_route(self, host: str) -> Route | None:
+        host = host.strip()
+        if host.startswith("["):
+            return None  # an IPv6 literal is never a sandbox host
+        name, sep, port = host.rpartition(":")
+        if sep and port.isascii() and port.isdigit():
+            host = name
+        host = host.rstrip(".")
+        lower = host.lower()
+        for domain in self.domains:
+            if not lower.endswith(domain) or lower[-len(domain) - 1 : -len(domain)] != ".":
+                continue
+            label = host[: -len(domain) - 1]  # the sandbox id keeps its case
+            port_text, dash, sandbox = label.partition("-")
+            if "." in label or not dash or not (port_text.isascii() and port_text.isdigit()):
+                continue  # some other name under the domain
+            if len(label) > _MAX_LABEL:
+                raise BadRequest(f"sandbox host label longer than {_MAX_LABEL} characters")
+            return Route(_sandbox_id(sandbox), _port(port_text))
+        return None
+
+    # -- ASGI --------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http" or kind == "websocket":
+            try:
+                route = self.route(scope)
+            except AenvError as exc:
+                await self._error(scope, send, exc.status, exc.to_json())
+                return
+            if route is not None:
+                await self._forward(route, scope, receive, send)
+                return
+        elif kind == "lifespan":
+            await self.control_app(scope, receive, self._lifespan_send(send))
+            return
+        await self.control_app(scope, receive, send)
+
+    async def _forward(self, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            host, port = await self.resolver(route.sandbox_id, route.port)
+        except AenvError as exc:
+            log.debug("proxy: %s:%s: %s", route.sandbox_id, route.port, exc.message)
+            await self._error(scope, send, exc.status, exc.to_json())
+            return
+        except TimeoutError:
+            err: AenvError = GatewayTimeout(f"sandbox {route.sandbox_id} did not become ready")
+            await self._error(scope, send, err.status, err.to_json())
+            return
+        except Exception:
+            log.exception(
+                "proxy: resolving sandbox %s port %s failed", route.sandbox_id, route.port
+            )
+            err = InternalError(f"could not resolve sandbox {route.sandbox_id}")
+            await self._error(scope, send, err.status, err.to_json())
+            return
+
+        raw_path: bytes = scope.get("raw_path") or quote(scope["path"]).encode()
+        if route.strip_proxy_prefix:
+            raw_path = raw_path[len(b"/proxy") :] or b"/"
+        target = Target(
+            sandbox_id=route.sandbox_id,
+            sandbox_port=route.port,
+            host=host,
+            port=port,
+            raw_path=raw_path,
+            query=scope.get("query_string", b""),
+            headers=[(n, v) for n, v in scope["headers"] if n not in ROUTING_HEADERS],
+        )
+        if scope["type"] == "http":
+            await self.http.forward(scope, receive, send, target)
+        else:
+            await self.ws.forward(scope, receive, send, target)
+
+    @staticmethod
+    async def _error(scope: Scope, send: Send, status: int, payload: dict[str, object]) -> None:
+        if scope["type"] == "http":
+            await send_json(send, status, payload)
+        else:
+            await deny_websocket_json(scope, send, status, payload)
+
+    def _lifespan_send(self, send: Send) -> Send:
+        async def wrapped(message: Message) -> None:
+            if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+                await self.aclose()
+            await send(message)
+
+        return wrapped
+
+    # -- housekeeping ------------------------------------------------------------------
+
+    def drop(self, sandbox_id: str) -> None:
+        """Forget pooled connections to a sandbox (the orchestrator may call it on pause/kill)."""
+        self.http.drop(sandbox_id)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
