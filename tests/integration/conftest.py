@@ -88,8 +88,7 @@ def _wipe_runtime(env: dict[str, str]) -> None:
         "from aenv.runtime.gvisor import GVisorRuntime\n"
         "async def main():\n"
         "    rt = GVisorRuntime(Settings(net_pool_size=0))\n"
-        "    await rt.start(set())\n"
-        "    await rt.close()\n"
+        "    await rt.purge()\n"
         "asyncio.run(main())\n"
     )
     subprocess.run([sys.executable, "-c", code], env=env, check=False, timeout=120)

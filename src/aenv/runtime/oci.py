@@ -1,0 +1,120 @@
+"""The OCI runtime spec (`config.json`) of a sandbox's bundle, generated in Python."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from aenv.runtime.base import SandboxSpec
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+# The set Docker/containerd give a container (and so runsc under Docker). runsc's bare
+# `runsc spec` default (AUDIT_WRITE, KILL, NET_BIND_SERVICE) would stop root in the sandbox
+# from switching users (envd runs commands as `user`), chown-ing files or running apt.
+# These are capabilities inside gVisor's own kernel, not on the host.
+CAPABILITIES = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+]
+
+CPU_PERIOD_US = 100_000
+
+
+def _base_mounts() -> list[dict[str, Any]]:
+    return [
+        {"destination": "/proc", "type": "proc", "source": "proc"},
+        {
+            "destination": "/dev",
+            "type": "tmpfs",
+            "source": "tmpfs",
+            "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+        },
+        {
+            "destination": "/dev/pts",
+            "type": "devpts",
+            "source": "devpts",
+            "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
+        },
+        {
+            "destination": "/dev/shm",
+            "type": "tmpfs",
+            "source": "shm",
+            "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+        },
+        {
+            "destination": "/sys",
+            "type": "sysfs",
+            "source": "sysfs",
+            "options": ["nosuid", "noexec", "nodev", "ro"],
+        },
+    ]
+
+
+def config(
+    spec: SandboxSpec,
+    *,
+    rootfs: Path,
+    netns_path: str,
+    cgroups_path: str,
+) -> dict[str, Any]:
+    env = dict(spec.env)
+    env.setdefault("PATH", DEFAULT_PATH)
+    mounts = _base_mounts() + [
+        {
+            "destination": m.destination,
+            "type": "bind",
+            "source": str(m.source),
+            "options": ["rbind", "ro" if m.readonly else "rw"],
+        }
+        for m in spec.mounts
+    ]
+    cpus = max(1, spec.cpu_count)
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": list(spec.args),
+            "env": [f"{k}={v}" for k, v in env.items()],
+            "cwd": spec.cwd or "/",
+            "capabilities": {
+                "bounding": CAPABILITIES,
+                "effective": CAPABILITIES,
+                "permitted": CAPABILITIES,
+            },
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536}],
+            "noNewPrivileges": False,
+        },
+        # Not read-only: with --overlay2=root:memory the sandbox writes into the sentry's
+        # memory overlay; the directory itself is never written.
+        "root": {"path": str(rootfs), "readonly": False},
+        "hostname": spec.hostname,
+        "mounts": mounts,
+        "linux": {
+            "namespaces": [
+                {"type": "pid"},
+                {"type": "ipc"},
+                {"type": "uts"},
+                {"type": "mount"},
+                {"type": "network", "path": netns_path},
+            ],
+            "cgroupsPath": cgroups_path,
+            "resources": {
+                "cpu": {"quota": cpus * CPU_PERIOD_US, "period": CPU_PERIOD_US},
+                "memory": {"limit": max(16, spec.memory_mb) * 1024 * 1024},
+            },
+        },
+    }

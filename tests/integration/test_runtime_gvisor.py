@@ -1,0 +1,756 @@
+"""The gVisor backend against the real thing: runsc, network namespaces, iptables, overlayfs.
+
+Needs root, runsc (20240729+) and busybox-static. Uses its own net prefix/range and a temporary
+AENV_HOME, and removes everything it made (by prefix and root dir) even when a test fails.
+The sandboxes run busybox: `httpd` on port 49983 serving `/` (so GET /tmp/counter reads a file),
+a CGI `/cgi-bin/run` that runs the POSTed shell command, and a counter loop in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from aenv.config import Settings
+from aenv.errors import RuntimeFailure
+from aenv.runtime.base import Instance, SandboxSpec
+from aenv.runtime.gvisor import GVisorRuntime
+from aenv.runtime.network import SlotAddressing
+from aenv.runtime.rootfs import mount_points
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("runsc") is None or not Path("/bin/busybox").exists(),
+        reason="needs root, runsc and busybox-static",
+    ),
+]
+
+PREFIX = "aetst"
+CIDR = "10.201.0.0/16"
+RECONCILE_PREFIX = "aetsr"
+RECONCILE_CIDR = "10.204.0.0/16"
+EXT_NS, EXT_IF, EXT_HOST, EXT_PEER = "aetstx", "aetstx0", "10.202.77.1", "10.202.77.2"
+PORT = 49983
+MiB = 1024 * 1024
+
+INIT = [
+    "/bin/sh",
+    "-c",
+    "i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done & "
+    f"exec httpd -f -p {PORT} -h /",
+]
+CGI = """#!/bin/sh
+echo "Content-Type: text/plain"
+echo ""
+sh -c "$(head -c "$CONTENT_LENGTH")" 2>&1
+"""
+
+TIMINGS: dict[str, list[float]] = {}
+
+
+def timed(name: str, seconds: float) -> None:
+    TIMINGS.setdefault(name, []).append(seconds * 1000)
+
+
+# Rootfs and layers --------------------------------------------------------------------------
+
+
+def make_rootfs(dest: Path) -> Path:
+    for d in ("bin", "etc", "www", "tmp", "proc", "sys", "dev", "root", "cgi-bin"):
+        (dest / d).mkdir(parents=True, exist_ok=True)
+    shutil.copy2("/bin/busybox", dest / "bin" / "busybox")
+    names = subprocess.run(
+        ["/bin/busybox", "--list"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    for name in names:
+        if name != "busybox":
+            (dest / "bin" / name).symlink_to("busybox")
+    (dest / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    (dest / "etc" / "group").write_text("root:x:0:\n")
+    (dest / "etc" / "hosts").write_text("127.0.0.1 localhost\n")
+    (dest / "www" / "index.html").write_text("hello from aenv\n")
+    cgi = dest / "cgi-bin" / "run"
+    cgi.write_text(CGI)
+    cgi.chmod(0o755)
+    (dest / "tmp").chmod(0o1777)
+    return dest
+
+
+def tree_digest(root: Path) -> dict[str, tuple[int, int]]:
+    """Path -> (size, mtime_ns) of every entry, to prove a layer was not written."""
+    out = {}
+    for p in root.rglob("*"):
+        st = p.lstat()
+        out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+@pytest.fixture(scope="module")
+def rootfs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_rootfs(tmp_path_factory.mktemp("layer-base"))
+
+
+@pytest.fixture(scope="module")
+def upper_layer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("layer-upper")
+    (d / "www").mkdir()
+    (d / "www" / "extra.html").write_text("from the upper layer\n")
+    (d / "etc").mkdir()
+    (d / "etc" / "layer-marker").write_text("upper\n")
+    return d
+
+
+def spec(layers: list[Path], sandbox_id: str, **kw: object) -> SandboxSpec:
+    s = SandboxSpec(sandbox_id=sandbox_id, layers=layers, args=INIT, memory_mb=256, cpu_count=1)
+    for k, v in kw.items():
+        setattr(s, k, v)
+    return s
+
+
+# Host inspection and cleanup -----------------------------------------------------------------
+
+
+def host_traces(settings: Settings) -> dict[str, object]:
+    """Everything of this prefix/home still on the host."""
+    addr = SlotAddressing.from_settings(settings)
+    netns = (
+        sorted(n for n in os.listdir("/run/netns") if addr.parse_netns(n) is not None)
+        if Path("/run/netns").is_dir()
+        else []
+    )
+    links = sorted(n for n in os.listdir("/sys/class/net") if addr.parse_host_if(n) is not None)
+    rules = subprocess.run(
+        "iptables -S; iptables -t nat -S", shell=True, capture_output=True, text=True
+    ).stdout
+    chains = sorted({line for line in rules.splitlines() if f"{settings.net_prefix}-" in line})
+    containers = []
+    if settings.runsc_root.is_dir():
+        out = subprocess.run(
+            ["runsc", f"--root={settings.runsc_root}", "list", "--format=json"],
+            capture_output=True,
+            text=True,
+        ).stdout
+        containers = [c["id"] for c in json.loads(out or "null") or []]
+    mounts = [str(p) for p in mount_points(settings.home)]
+    cgroups = [
+        str(p) for p in Path("/sys/fs/cgroup").glob(f"*/{settings.net_prefix}/*") if p.is_dir()
+    ]
+    return {
+        "netns": netns,
+        "links": links,
+        "rules": chains,
+        "containers": containers,
+        "mounts": mounts,
+        "cgroups": cgroups,
+    }
+
+
+def assert_no_traces(settings: Settings) -> None:
+    traces = host_traces(settings)
+    assert all(not v for v in traces.values()), traces
+
+
+def slot_traces(settings: Settings, slot: int) -> list[str]:
+    addr = SlotAddressing.from_settings(settings)
+    names = []
+    for ns in (addr.router_ns(slot), addr.inner_ns(slot)):
+        if Path("/run/netns", ns).exists():
+            names.append(ns)
+    if Path("/sys/class/net", addr.host_if(slot)).exists():
+        names.append(addr.host_if(slot))
+    return names
+
+
+def make_settings(home: Path, prefix: str, cidr: str, pool: int = 2) -> Settings:
+    return Settings(home=home, net_prefix=prefix, net_cidr=cidr, net_pool_size=pool)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def runtime(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GVisorRuntime]:
+    settings = make_settings(tmp_path_factory.mktemp("aenv-home"), PREFIX, CIDR)
+    rt = GVisorRuntime(settings)
+    try:
+        await rt.start(set())
+        yield rt
+    finally:
+        await GVisorRuntime(settings).purge()
+        if TIMINGS:
+            print("\n\ngVisor runtime timings (ms):")
+            for name, values in TIMINGS.items():
+                vals = ", ".join(f"{v:.0f}" for v in values)
+                print(f"  {name:<28} median {sorted(values)[len(values) // 2]:7.1f}   [{vals}]")
+        assert_no_traces(settings)
+
+
+# Talking to sandboxes -------------------------------------------------------------------------
+
+
+def client(timeout: float) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=timeout, trust_env=False)
+
+
+async def get(inst: Instance, path: str = "/www/index.html", timeout: float = 2.0) -> str:
+    async with client(timeout) as c:
+        r = await c.get(f"http://{inst.address}:{PORT}{path}")
+        r.raise_for_status()
+        return r.text
+
+
+async def wait_http(inst: Instance, limit: float = 15.0) -> float:
+    """Seconds until the sandbox's httpd answers."""
+    t0 = time.perf_counter()
+    while True:
+        try:
+            await get(inst, timeout=0.5)
+            return time.perf_counter() - t0
+        except httpx.HTTPError:
+            if time.perf_counter() - t0 > limit:
+                raise
+            await asyncio.sleep(0.01)
+
+
+async def sh(inst: Instance, cmd: str, timeout: float = 20.0) -> str:
+    async with client(timeout) as c:
+        r = await c.post(f"http://{inst.address}:{PORT}/cgi-bin/run", content=cmd)
+        r.raise_for_status()
+        return r.text
+
+
+async def counter(inst: Instance) -> int:
+    return int((await get(inst, "/tmp/counter")).strip())
+
+
+async def probe(inst: Instance, targets: list[tuple[str, int]]) -> dict[tuple[str, int], bool]:
+    """From inside the sandbox, in parallel: does an HTTP request to host:port get an answer?"""
+    lines = []
+    for host, port in targets:
+        lines.append(
+            f"( if printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 2 {host} {port} 2>/dev/null"
+            f" | grep -q 'HTTP/1'; then echo OPEN {host}:{port}; "
+            f"else echo CLOSED {host}:{port}; fi ) &"
+        )
+    lines.append("wait")
+    out = await sh(inst, "\n".join(lines))
+    result = {}
+    for host, port in targets:
+        assert f"{host}:{port}" in out, out
+        result[(host, port)] = f"OPEN {host}:{port}" in out
+    return result
+
+
+# Host-side servers for the isolation tests ---------------------------------------------------
+
+
+async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(reader.readline(), 2)
+        writer.write(b"HTTP/1.0 200 OK\r\nContent-Length: 5\r\n\r\nhost\n")
+        await writer.drain()
+    writer.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def host_servers() -> AsyncIterator[tuple[int, int]]:
+    """(port of a server on 0.0.0.0, port of a server on 127.0.0.1)."""
+    public = await asyncio.start_server(_serve, "0.0.0.0", 0)
+    local = await asyncio.start_server(_serve, "127.0.0.1", 0)
+    try:
+        yield public.sockets[0].getsockname()[1], local.sockets[0].getsockname()[1]
+    finally:
+        public.close()
+        local.close()
+
+
+EXT_SERVER = """
+import socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 8080)); s.listen(16)
+while True:
+    c, _ = s.accept()
+    c.recv(1024); c.sendall(b"HTTP/1.0 200 OK\\r\\nContent-Length: 4\\r\\n\\r\\next\\n"); c.close()
+"""
+
+
+@pytest.fixture
+def ext_server() -> Iterator[tuple[str, int]]:
+    """An "internet" host in its own netns (egress positive control): (address, port)."""
+    setup = f"""set -e
+ip netns add {EXT_NS}
+ip link add {EXT_IF} type veth peer name eth0 netns {EXT_NS}
+ip addr add {EXT_HOST}/30 dev {EXT_IF}; ip link set {EXT_IF} up
+ip -n {EXT_NS} addr add {EXT_PEER}/30 dev eth0
+ip -n {EXT_NS} link set eth0 up; ip -n {EXT_NS} link set lo up
+"""
+    proc = None
+    try:
+        subprocess.run(["sh", "-c", setup], check=True)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", EXT_NS, "python3", "-c", EXT_SERVER],
+            stdin=subprocess.DEVNULL,
+        )
+        for _ in range(100):
+            r = subprocess.run(
+                ["sh", "-c", f"echo | busybox nc -w 1 {EXT_PEER} 8080"], capture_output=True
+            )
+            if b"HTTP/1.0" in r.stdout:
+                break
+            time.sleep(0.05)
+        yield EXT_PEER, 8080
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["ip", "link", "del", EXT_IF], capture_output=True)
+        subprocess.run(["ip", "netns", "del", EXT_NS], capture_output=True)
+
+
+def host_nc(ip: str, port: int) -> bytes:
+    cmd = f"printf 'GET /\\r\\n' | busybox nc -w 1 {ip} {port}"
+    return subprocess.run(["sh", "-c", cmd], capture_output=True).stdout
+
+
+def cgroups_of(cid: str) -> list[Path]:
+    return list(Path("/sys/fs/cgroup").glob(f"*/{PREFIX}/{cid}"))
+
+
+def top_level_entries(root: Path) -> list[Path]:
+    return list(root.iterdir())
+
+
+def host_addresses() -> list[str]:
+    data = json.loads(subprocess.run(["ip", "-j", "-4", "addr"], capture_output=True).stdout)
+    return [
+        a["local"]
+        for link in data
+        for a in link.get("addr_info", [])
+        if not link["ifname"].startswith(PREFIX) and a["local"] != "127.0.0.1"
+    ]
+
+
+# Tests ------------------------------------------------------------------------------------------
+
+
+async def test_create_serves_http(runtime: GVisorRuntime, rootfs: Path) -> None:
+    await asyncio.sleep(0.3)  # let the pool fill: this measures a pooled acquire
+    t0 = time.perf_counter()
+    inst = await runtime.create(spec([rootfs], "http1", hostname="box1"))
+    timed("create (pooled slot)", time.perf_counter() - t0)
+    try:
+        timed("create -> HTTP answers", time.perf_counter() - t0)
+        TIMINGS["create -> HTTP answers"][-1] += await wait_http(inst) * 1000
+        assert inst.address == SlotAddressing(PREFIX, CIDR).router_ip(inst.slot)
+        assert "hello from aenv" in await get(inst)
+        assert await runtime.alive(inst)
+        out = await sh(inst, "ifconfig eth0; hostname; id -u")
+        assert "169.254.0.21" in out and "box1" in out
+        stats = await runtime.stats(inst)
+        assert stats.mem_total_bytes == 256 * MiB
+        assert 0 < stats.mem_used_bytes < 256 * MiB
+        assert stats.rss_bytes > 0
+        assert 0 <= stats.cpu_used_pct <= 100
+        # Every port is reachable: httpd on a second port started from inside.
+        await sh(inst, "httpd -p 8081 -h /www")
+        async with client(2) as c:
+            r = await c.get(f"http://{inst.address}:8081/index.html")
+            assert r.status_code == 200
+    finally:
+        await runtime.destroy(inst)
+
+
+async def test_sandboxes_are_isolated_from_each_other(runtime: GVisorRuntime, rootfs: Path) -> None:
+    a, b = await asyncio.gather(
+        runtime.create(spec([rootfs], "iso-a")), runtime.create(spec([rootfs], "iso-b"))
+    )
+    try:
+        await asyncio.gather(wait_http(a), wait_http(b))
+        assert a.address != b.address and a.slot != b.slot
+        await sh(a, "echo secret-a > /tmp/secret; echo rootfs-a > /etc/secret")
+        out = await sh(b, "cat /tmp/secret /etc/secret; echo end")
+        assert "secret-a" not in out and "rootfs-a" not in out
+        addr = SlotAddressing(PREFIX, CIDR)
+        res = await probe(
+            a,
+            [
+                ("127.0.0.1", PORT),  # its own httpd: the probe itself works
+                (b.address, PORT),  # the other sandbox's address
+                (addr.host_ip(b.slot), PORT),  # the host side of the other's slot
+            ],
+        )
+        assert res == {
+            ("127.0.0.1", PORT): True,
+            (b.address, PORT): False,
+            (addr.host_ip(b.slot), PORT): False,
+        }
+        # The node still reaches both.
+        assert "hello" in await get(a) and "hello" in await get(b)
+    finally:
+        await asyncio.gather(runtime.destroy(a), runtime.destroy(b))
+
+
+async def test_sandbox_cannot_reach_host_services(
+    runtime: GVisorRuntime,
+    rootfs: Path,
+    host_servers: tuple[int, int],
+    ext_server: tuple[str, int],
+) -> None:
+    public_port, local_port = host_servers
+    inst = await runtime.create(spec([rootfs], "iso-host"))
+    try:
+        await wait_http(inst)
+        addr = SlotAddressing(PREFIX, CIDR)
+        own_host_ip = addr.host_ip(inst.slot)
+        targets = [(own_host_ip, public_port), (own_host_ip, local_port)]
+        targets += [(ip, public_port) for ip in host_addresses()]
+        targets += [("127.0.0.1", local_port), (ext_server[0], ext_server[1])]
+        # Sanity: from the host, the 0.0.0.0 server answers on each of these addresses.
+        for ip in [own_host_ip, *host_addresses()]:
+            assert b"HTTP/1.0 200" in await asyncio.to_thread(host_nc, ip, public_port), ip
+        res = await probe(inst, targets)
+        assert res.pop(ext_server) is True, "egress to a non-host address must work"
+        assert not any(res.values()), res
+    finally:
+        await runtime.destroy(inst)
+
+
+async def test_freeze_thaw(runtime: GVisorRuntime, rootfs: Path) -> None:
+    inst = await runtime.create(spec([rootfs], "freeze"))
+    try:
+        await wait_http(inst)
+        before = await counter(inst)
+        t0 = time.perf_counter()
+        await runtime.freeze(inst)
+        timed("freeze", time.perf_counter() - t0)
+        assert await runtime.alive(inst)
+        with pytest.raises(httpx.TimeoutException):
+            await get(inst, "/tmp/counter", timeout=0.5)
+        t0 = time.perf_counter()
+        await runtime.thaw(inst)
+        timed("thaw", time.perf_counter() - t0)
+        after = await counter(inst)
+        assert after >= before
+        await asyncio.sleep(0.5)
+        assert await counter(inst) > after
+    finally:
+        await runtime.destroy(inst)
+
+
+async def test_checkpoint_and_fork(runtime: GVisorRuntime, rootfs: Path, tmp_path: Path) -> None:
+    before_layer = tree_digest(rootfs)
+    parent = await runtime.create(spec([rootfs], "fork-p"))
+    children: list[Instance] = []
+    try:
+        await wait_http(parent)
+        await sh(parent, "echo before > /tmp/marker; echo rootfs > /etc/marker")
+        await asyncio.sleep(0.3)
+        image = tmp_path / "image"
+        t0 = time.perf_counter()
+        await runtime.checkpoint(parent, image, leave_running=True)
+        timed("checkpoint --leave-running", time.perf_counter() - t0)
+        at_checkpoint = await counter(parent)
+        assert any(image.iterdir())
+        for i in range(2):
+            t0 = time.perf_counter()
+            child = await runtime.restore(spec([rootfs], f"fork-c{i}"), image)
+            timed("restore", time.perf_counter() - t0)
+            children.append(child)
+            t1 = time.perf_counter()
+            await wait_http(child)
+            timed("restore -> HTTP answers", time.perf_counter() - t0)
+            timed("  (HTTP wait after restore)", time.perf_counter() - t1)
+        assert len({parent.address, *(c.address for c in children)}) == 3
+        for child in children:
+            out = await sh(child, "cat /tmp/marker /etc/marker")
+            assert "before" in out and "rootfs" in out
+            n = await counter(child)
+            # Memory state came along: the counter goes on from the checkpoint, not from 0.
+            assert n >= at_checkpoint - 5
+        # Each continues on its own, and so does the parent.
+        await sh(children[0], "echo only-c0 > /tmp/own")
+        out = await sh(children[1], "cat /tmp/own; echo end")
+        assert "only-c0" not in out
+        assert "only-c0" not in await sh(parent, "cat /tmp/own; echo end")
+        values = [await counter(x) for x in (parent, *children)]
+        await asyncio.sleep(0.6)
+        later = [await counter(x) for x in (parent, *children)]
+        assert all(b > a for a, b in zip(values, later, strict=True)), (values, later)
+        # The layer directory was never written (writes live in the sentry's memory overlay).
+        assert tree_digest(rootfs) == before_layer
+        assert not any(p.name.startswith(".gvisor") for p in top_level_entries(rootfs))
+    finally:
+        await asyncio.gather(*(runtime.destroy(x) for x in (parent, *children)))
+
+
+async def test_checkpoint_stops_sandbox_and_restores(
+    runtime: GVisorRuntime, rootfs: Path, tmp_path: Path
+) -> None:
+    """Hibernate: freeze, checkpoint without leave_running, restore later."""
+    inst = await runtime.create(spec([rootfs], "hib"))
+    child = None
+    try:
+        await wait_http(inst)
+        await sh(inst, "echo kept > /tmp/kept")
+        await runtime.freeze(inst)
+        t0 = time.perf_counter()
+        await runtime.checkpoint(inst, tmp_path / "img", leave_running=False)
+        timed("checkpoint (stops)", time.perf_counter() - t0)
+        assert not await runtime.alive(inst)
+        await runtime.destroy(inst)
+        t0 = time.perf_counter()
+        child = await runtime.restore(spec([rootfs], "hib"), tmp_path / "img")
+        timed("restore (of hibernated)", time.perf_counter() - t0)
+        # Restored as it was: paused. Thaw it.
+        if not await _answers(child):
+            await runtime.thaw(child)
+        await wait_http(child)
+        assert "kept" in await sh(child, "cat /tmp/kept")
+    finally:
+        await runtime.destroy(inst)
+        if child is not None:
+            await runtime.destroy(child)
+
+
+async def _answers(inst: Instance) -> bool:
+    try:
+        await get(inst, timeout=1.0)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+async def test_destroy_leaves_nothing(
+    runtime: GVisorRuntime, rootfs: Path, upper_layer: Path
+) -> None:
+    settings = runtime.settings
+    inst = await runtime.create(spec([upper_layer, rootfs], "gone"))
+    await wait_http(inst)
+    key = inst.extra["rootfs_key"]
+    assert key and (settings.home / "mnt" / key) in mount_points(settings.home)
+    t0 = time.perf_counter()
+    await runtime.destroy(inst)
+    timed("destroy (awaited part)", time.perf_counter() - t0)
+    assert not await runtime.alive(inst)
+    t0 = time.perf_counter()
+    await runtime.wait_idle()
+    timed("destroy (background part)", time.perf_counter() - t0)
+    await runtime.destroy(inst)  # idempotent
+    await runtime.wait_idle()
+    assert slot_traces(settings, inst.slot) == [] or inst.slot in _pool_slots(runtime)
+    assert inst.container_id not in host_traces(settings)["containers"]
+    assert not inst.bundle_dir.exists()
+    assert (settings.home / "mnt" / key) not in mount_points(settings.home)
+    assert not cgroups_of(inst.container_id)
+
+
+def _pool_slots(rt: GVisorRuntime) -> set[int]:
+    return {s.index for s in rt.pool._ready}
+
+
+async def test_layer_stack_is_shared_and_read_only(
+    runtime: GVisorRuntime, rootfs: Path, upper_layer: Path
+) -> None:
+    settings = runtime.settings
+    before = (tree_digest(rootfs), tree_digest(upper_layer))
+    a, b = await asyncio.gather(
+        runtime.create(spec([upper_layer, rootfs], "ml-a")),
+        runtime.create(spec([upper_layer, rootfs], "ml-b")),
+    )
+    try:
+        await asyncio.gather(wait_http(a), wait_http(b))
+        assert a.extra["rootfs_key"] == b.extra["rootfs_key"]
+        mnt = settings.home / "mnt" / a.extra["rootfs_key"]
+        assert mount_points(settings.home).count(mnt) == 1
+        assert "upper layer" in await get(a, "/www/extra.html")
+        assert "hello" in await get(a, "/www/index.html")
+        await sh(a, "echo changed > /www/extra.html; rm /etc/passwd; echo new > /newfile")
+        assert "changed" in await get(a, "/www/extra.html")
+        assert "upper layer" in await get(b, "/www/extra.html")
+        assert "root:x" in await sh(b, "cat /etc/passwd")
+        assert (tree_digest(rootfs), tree_digest(upper_layer)) == before
+        await runtime.destroy(a)
+        await runtime.wait_idle()
+        assert mnt in mount_points(settings.home)  # b still uses it
+        assert "upper layer" in await get(b, "/www/extra.html")
+    finally:
+        await asyncio.gather(runtime.destroy(a), runtime.destroy(b))
+    await runtime.wait_idle()
+    assert mnt not in mount_points(settings.home)
+
+
+async def test_cgroup_limits(runtime: GVisorRuntime, rootfs: Path) -> None:
+    inst = await runtime.create(spec([rootfs], "limits", cpu_count=1, memory_mb=128))
+    other = await runtime.create(spec([rootfs], "bystander"))
+    try:
+        await asyncio.gather(wait_http(inst), wait_http(other))
+        cg = f"{PREFIX}/{inst.container_id}"
+        mem = Path("/sys/fs/cgroup/memory", cg)
+        cpu = Path("/sys/fs/cgroup/cpu", cg)
+        assert int((mem / "memory.limit_in_bytes").read_text()) == 128 * MiB
+        assert int((cpu / "cpu.cfs_quota_us").read_text()) == 100_000
+        assert int((cpu / "cpu.cfs_period_us").read_text()) == 100_000
+        out = (await sh(inst, "nproc; free -m | grep Mem")).split()
+        # runsc --cpu-num-from-quota: ceil(quota), but never below 2.
+        assert int(out[0]) == max(2, min(1, os.cpu_count() or 1))
+        assert 120 <= int(out[2]) <= 128, out
+        # A memory hog: the sandbox is OOM-killed inside its own cgroup, nothing else is.
+        with contextlib.suppress(httpx.HTTPError):
+            await sh(inst, "dd if=/dev/zero of=/tmp/big bs=1M count=400", timeout=30)
+        for _ in range(100):
+            if not await runtime.alive(inst):
+                break
+            await asyncio.sleep(0.1)
+        assert not await runtime.alive(inst)
+        oom = dict(line.split() for line in (mem / "memory.oom_control").read_text().splitlines())
+        assert int(oom["oom_kill"]) >= 1
+        assert await runtime.alive(other) and "hello" in await get(other)
+    finally:
+        await asyncio.gather(runtime.destroy(inst), runtime.destroy(other))
+
+
+async def test_slot_pool(runtime: GVisorRuntime) -> None:
+    pool = runtime.pool
+    for _ in range(50):
+        if pool.ready >= pool.size:
+            break
+        await asyncio.sleep(0.05)
+    assert pool.ready == pool.size
+    t0 = time.perf_counter()
+    slot = await pool.acquire()
+    timed("slot acquire (pooled)", time.perf_counter() - t0)
+    await pool.release(slot)
+    t0 = time.perf_counter()
+    n = 4000
+    built = await runtime.network.build(n)
+    timed("slot setup (build)", time.perf_counter() - t0)
+    try:
+        assert built.router_ip == SlotAddressing(PREFIX, CIDR).router_ip(n)
+        cmd = ["ip", "-n", built.inner_ns, "-j", "addr", "show", "eth0"]
+        r = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True)
+        assert "169.254.0.21" in r.stdout
+    finally:
+        t0 = time.perf_counter()
+        await runtime.network.teardown(n)
+        timed("slot teardown", time.perf_counter() - t0)
+    assert slot_traces(runtime.settings, n) == []
+
+
+async def test_failed_create_and_restore_leave_nothing(
+    runtime: GVisorRuntime, rootfs: Path, tmp_path: Path
+) -> None:
+    settings = runtime.settings
+    await runtime.wait_idle()
+    before = host_traces(settings)
+    with pytest.raises(RuntimeFailure, match="no-such-binary"):
+        await runtime.create(
+            SandboxSpec(sandbox_id="bad", layers=[rootfs], args=["/no-such-binary"])
+        )
+    (tmp_path / "empty-image").mkdir()
+    with pytest.raises(RuntimeFailure):
+        await runtime.restore(spec([rootfs], "bad2"), tmp_path / "empty-image")
+    with pytest.raises(RuntimeFailure):
+        await runtime.restore(spec([rootfs], "bad3"), tmp_path / "missing")
+    await runtime.wait_idle()
+    await asyncio.sleep(0.3)  # the pool refills what was taken
+    after = host_traces(settings)
+    assert after["containers"] == before["containers"] == []
+    assert not (settings.sandboxes_dir / "bad").exists()
+    assert set(after["netns"]) <= set(before["netns"]) | {
+        ns for s in runtime.pool._ready for ns in (s.router_ns, s.inner_ns)
+    }
+
+
+async def test_concurrent_creates(runtime: GVisorRuntime, rootfs: Path) -> None:
+    t0 = time.perf_counter()
+    insts = await asyncio.gather(*(runtime.create(spec([rootfs], f"many{i}")) for i in range(4)))
+    try:
+        await asyncio.gather(*(wait_http(i) for i in insts))
+        timed("4 concurrent creates -> HTTP", time.perf_counter() - t0)
+        assert len({i.address for i in insts}) == 4
+        assert len({i.slot for i in insts}) == 4
+    finally:
+        await asyncio.gather(*(runtime.destroy(i) for i in insts))
+
+
+# Reconcile after a crash (own prefix, range and home) -----------------------------------------
+
+
+def _crash(rt: GVisorRuntime) -> None:
+    """Drops a runtime like a killed process would: no cleanup, pool slots left behind."""
+    task = rt.pool._task
+    if task is not None:
+        task.cancel()
+    rt.pool._task = None
+
+
+async def test_reconcile_after_crash(
+    rootfs: Path, upper_layer: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    settings = make_settings(
+        tmp_path_factory.mktemp("aenv-home-rc"), RECONCILE_PREFIX, RECONCILE_CIDR, pool=1
+    )
+    try:
+        rt1 = GVisorRuntime(settings)
+        await rt1.start(set())
+        keep = await rt1.create(spec([upper_layer, rootfs], "rc-keep"))
+        drop = await rt1.create(spec([rootfs], "rc-drop"))
+        await asyncio.gather(wait_http(keep), wait_http(drop))
+        await sh(keep, "echo state > /tmp/state")
+        await asyncio.sleep(0.2)
+        _crash(rt1)
+        del rt1
+
+        rt2 = GVisorRuntime(settings)
+        recovered = await rt2.start({keep.container_id, "ghost-0000"})
+        assert set(recovered) == {keep.container_id}
+        rec = recovered[keep.container_id]
+        assert (rec.address, rec.slot, rec.bundle_dir) == (keep.address, keep.slot, keep.bundle_dir)
+        assert await rt2.alive(rec)
+        assert "state" in await sh(rec, "cat /tmp/state")
+        assert not await rt2.alive(drop)
+        await rt2.close()  # the pool's slots go; the recovered sandbox stays
+        traces = host_traces(settings)
+        assert traces["containers"] == [keep.container_id]
+        addr = SlotAddressing.from_settings(settings)
+        assert traces["netns"] == sorted([addr.router_ns(keep.slot), addr.inner_ns(keep.slot)])
+        assert traces["links"] == [addr.host_if(keep.slot)]
+        assert not drop.bundle_dir.exists() and keep.bundle_dir.exists()
+        mnt = settings.home / "mnt"
+        assert traces["mounts"] == [str(mnt / keep.extra["rootfs_key"])]
+        _crash(rt2)
+        del rt2
+
+        # Another crash, and now the catalog knows nothing: everything goes.
+        rt3 = GVisorRuntime(settings)
+        assert await rt3.start(set()) == {}
+        await rt3.close()
+        traces = host_traces(settings)
+        for k in ("containers", "netns", "links", "mounts", "cgroups"):
+            assert traces[k] == [], (k, traces)
+        assert not any(settings.sandboxes_dir.iterdir())
+        # A recovered instance can be destroyed by the new runtime.
+        rt4 = GVisorRuntime(settings)
+        await rt4.start(set())
+        inst = await rt4.create(spec([rootfs], "rc-again"))
+        await wait_http(inst)
+        _crash(rt4)
+        rt5 = GVisorRuntime(settings)
+        rec5 = await rt5.start({inst.container_id})
+        await rt5.destroy(rec5[inst.container_id])
+        await rt5.close()
+        assert slot_traces(settings, inst.slot) == []
+        assert host_traces(settings)["containers"] == []
+    finally:
+        await GVisorRuntime(settings).purge()
+        assert_no_traces(settings)

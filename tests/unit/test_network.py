@@ -1,0 +1,78 @@
+"""Pure slot-address math and naming of network slots (no host changes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from aenv.config import Settings
+from aenv.runtime.network import GATEWAY_IP, SANDBOX_IP, SlotAddressing
+
+
+def test_slot_addresses_are_consecutive_30s() -> None:
+    a = SlotAddressing("aenv", "10.200.0.0/16")
+    assert a.capacity == 16384
+    assert (a.host_ip(0), a.router_ip(0)) == ("10.200.0.1", "10.200.0.2")
+    assert (a.host_ip(1), a.router_ip(1)) == ("10.200.0.5", "10.200.0.6")
+    assert (a.host_ip(64), a.router_ip(64)) == ("10.200.1.1", "10.200.1.2")
+    last = a.capacity - 1
+    assert (a.host_ip(last), a.router_ip(last)) == ("10.200.255.253", "10.200.255.254")
+    assert str(a.subnet(3)) == "10.200.0.12/30"
+
+
+def test_slots_do_not_overlap_and_stay_in_range() -> None:
+    a = SlotAddressing("aenv", "192.168.8.0/24")
+    assert a.capacity == 64
+    nets = [a.subnet(n) for n in range(a.capacity)]
+    assert all(n.subnet_of(a.cidr) for n in nets)
+    assert len({n.network_address for n in nets}) == a.capacity
+    with pytest.raises(ValueError):
+        a.subnet(a.capacity)
+    with pytest.raises(ValueError):
+        a.host_ip(-1)
+
+
+def test_index_of_address_inverts_the_math() -> None:
+    a = SlotAddressing("aenv", "10.200.0.0/16")
+    for n in (0, 1, 77, a.capacity - 1):
+        assert a.index_of_address(a.router_ip(n)) == n
+        assert a.index_of_address(a.host_ip(n)) == n
+    assert a.index_of_address("10.201.0.2") is None
+
+
+def test_names_fit_linux_limits_and_parse_back() -> None:
+    a = SlotAddressing("aenv", "10.200.0.0/16")
+    s = a.slot(12)
+    assert (s.router_ns, s.inner_ns, s.host_if) == ("aenv-12", "aenv-12-i", "aenvh12")
+    assert s.netns_path == "/run/netns/aenv-12-i"
+    assert len(a.host_if(a.capacity - 1)) <= 15
+    assert a.parse_netns("aenv-12") == 12
+    assert a.parse_netns("aenv-12-i") == 12
+    assert a.parse_host_if("aenvh12") == 12
+    # Other prefixes' names and unrelated names are not ours.
+    for name in ("aenv2-1", "aenv-x", "aenvh", "aenv-1-j", "xaenv-1", "aenvh1h2", "aenv-"):
+        assert a.parse_netns(name) is None
+        assert a.parse_host_if(name) is None
+    assert a.input_chain == "aenv-INPUT" and a.nat_chain == "aenv-POSTROUTING"
+
+
+def test_same_inner_address_in_every_slot() -> None:
+    assert SANDBOX_IP == "169.254.0.21" and GATEWAY_IP == "169.254.0.22"
+
+
+def test_invalid_settings_are_rejected() -> None:
+    with pytest.raises(ValueError, match="too long"):
+        SlotAddressing("averylongpfx", "10.0.0.0/8")  # 12 + 'h' + 6 digits > 15
+    SlotAddressing("averylongpfx", "10.0.0.0/24")  # 64 slots: fits
+    with pytest.raises(ValueError):
+        SlotAddressing("aenv", "10.0.0.0/31")
+    with pytest.raises(ValueError):
+        SlotAddressing("aenv", "10.0.0.1/16")  # host bits set
+    with pytest.raises(ValueError):
+        SlotAddressing("ae-nv", "10.0.0.0/16")
+    with pytest.raises(ValueError):
+        SlotAddressing("1aenv", "10.0.0.0/16")
+
+
+def test_from_settings() -> None:
+    a = SlotAddressing.from_settings(Settings(net_prefix="aetst", net_cidr="10.201.0.0/16"))
+    assert a.router_ip(0) == "10.201.0.2" and a.host_if(3) == "aetsth3"
