@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 
 import pytest
-from e2b import Sandbox
+from e2b import Sandbox, SandboxQuery
 
 from .conftest import Server
 
@@ -22,5 +22,5 @@ def test_kill9_recovers_running_sandboxes(e2b_env: Server, sandboxes: list[objec
     again = Sandbox.connect(s.sandbox_id)
     assert again.files.read("/home/user/before.txt") == "written before the crash"
     assert "sleep 7777" in again.commands.run("ps aux").stdout
-    listed = Sandbox.list(query={"metadata": {"case": "restart"}}).next_items()  # type: ignore[arg-type]
+    listed = Sandbox.list(query=SandboxQuery(metadata={"case": "restart"})).next_items()
     assert [x.sandbox_id for x in listed] == [s.sandbox_id]

@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from e2b import CommandExitException, NotFoundException, Sandbox
+from e2b import CommandExitException, NotFoundException, Sandbox, SandboxQuery
 from e2b.exceptions import SandboxException
 
 pytestmark = pytest.mark.integration
@@ -28,9 +28,9 @@ def test_create_info_and_list(sbx: Sandbox) -> None:
     assert info.template_id
     assert info.metadata == {"suite": "sdk", "who": "pytest"}
     assert info.state.value == "running"
-    listed = Sandbox.list(query={"metadata": {"who": "pytest"}}).next_items()  # type: ignore[arg-type]
+    listed = Sandbox.list(query=SandboxQuery(metadata={"who": "pytest"})).next_items()
     assert sbx.sandbox_id in [s.sandbox_id for s in listed]
-    other = Sandbox.list(query={"metadata": {"who": "nobody"}}).next_items()  # type: ignore[arg-type]
+    other = Sandbox.list(query=SandboxQuery(metadata={"who": "nobody"})).next_items()
     assert sbx.sandbox_id not in [s.sandbox_id for s in other]
 
 
@@ -59,17 +59,17 @@ def test_streaming_callbacks_in_order(sbx: Sandbox) -> None:
 
 
 def test_background_stdin_and_kill(sbx: Sandbox) -> None:
-    h = sbx.commands.run("cat", background=True, stdin=True)
+    h = sbx.commands.run("cat; echo done", background=True, stdin=True)
     sbx.commands.send_stdin(h.pid, "hello stdin\n")
-    deadline = time.time() + 10
-    while "hello stdin" not in h.stdout and time.time() < deadline:
-        time.sleep(0.05)
-    assert "hello stdin" in h.stdout
     assert h.pid in [p.pid for p in sbx.commands.list()]
-    assert sbx.commands.kill(h.pid)
+    sbx.commands.close_stdin(h.pid)
+    assert h.wait().stdout == "hello stdin\ndone\n"
+    sleeper = sbx.commands.run("sleep 600", background=True)
+    assert sbx.commands.kill(sleeper.pid)
     with pytest.raises(CommandExitException):
-        h.wait()
-    assert h.pid not in [p.pid for p in sbx.commands.list()]
+        sleeper.wait()
+    assert sleeper.pid not in [p.pid for p in sbx.commands.list()]
+    assert not sbx.commands.kill(sleeper.pid)
 
 
 def test_files(sbx: Sandbox) -> None:
@@ -100,17 +100,21 @@ def test_pty(sbx: Sandbox) -> None:
     out: list[bytes] = []
     got = threading.Event()
 
-    def on_data(b: bytes) -> None:
+    def on_pty(b: bytes) -> None:
         out.append(b)
-        if b"pty-marker-42" in b"".join(out):
+        if b"24 80" in b"".join(out):
             got.set()
 
-    h = sbx.pty.create(PtySize(rows=24, cols=80), on_data=on_data)
-    sbx.pty.send_stdin(h.pid, b"echo pty-marker-$((40+2)); tty\n")
+    h = sbx.pty.create(PtySize(rows=24, cols=80))
+    waiter = threading.Thread(target=lambda: h.wait(on_pty=on_pty), daemon=True)
+    waiter.start()
+    sbx.pty.send_stdin(h.pid, b"echo pty-marker-$((40+2)); tty; stty size\n")
     assert got.wait(15), b"".join(out)
     sbx.pty.resize(h.pid, PtySize(rows=30, cols=100))
-    sbx.pty.send_stdin(h.pid, b"exit\n")
-    h.wait()
+    sbx.pty.send_stdin(h.pid, b"stty size; exit\n")
+    waiter.join(15)
+    text = b"".join(out).decode(errors="replace")
+    assert "/dev/pts/" in text and "24 80" in text and "30 100" in text
 
 
 def test_timeout_kill_and_not_found(sandboxes: list[object]) -> None:

@@ -38,7 +38,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -267,6 +267,7 @@ class LayerStore:
         *,
         mode: AddMode = "move",
         source: str = "local",
+        extra: Mapping[str, Any] | None = None,
     ) -> str:
         """Adds the tree at src as a layer and returns its digest.
 
@@ -274,7 +275,8 @@ class LayerStore:
         src is gone afterwards), "copy" copies it, "link" hard-links its files (`cp -al`;
         only for sources that are themselves never modified). Without a digest the tree is
         hashed with `tree_digest`. If the layer exists already, the store keeps the existing
-        copy and src is discarded (move) or left alone (copy/link).
+        copy and src is discarded (move) or left alone (copy/link). `extra` adds keys to
+        meta.json (e.g. an OCI layer's diff_id and media type).
         """
         src = Path(src)
         if not src.is_dir() or src.is_symlink():
@@ -305,6 +307,7 @@ class LayerStore:
             else:
                 copy_tree(src, rootfs, link=(mode == "link"))
             meta = {
+                **(extra or {}),
                 "digest": digest,
                 "size": size,
                 "files": files,
