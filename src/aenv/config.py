@@ -29,6 +29,15 @@ class Settings(BaseSettings):
     default_timeout: int = 300
     max_timeout: int = 24 * 3600
 
+    # Pause: a paused sandbox is frozen at once and hibernated (checkpointed to disk, memory
+    # released) after this many idle seconds; 0 hibernates at once.
+    hibernate_after: float = 60.0
+    # Admission: the sum of memoryMB of live sandboxes on this node may not exceed this
+    # (None: 90% of the host's RAM).
+    max_memory_mb: int | None = None
+    # Children restored at once by a fork (each restore is CPU-bound in runsc).
+    fork_concurrency: int = 4
+
     # runtime
     runsc: str = "runsc"
     runsc_platform: str = "systrap"
@@ -79,6 +88,16 @@ class Settings(BaseSettings):
     @property
     def runtime_dir(self) -> Path:
         return self.home / "runtime"
+
+    @property
+    def rw_dir(self) -> Path:
+        """Per-sandbox writable layers (overlay uppers), sealed into layers by snapshots."""
+        return self.home / "rw"
+
+    @property
+    def images_dir(self) -> Path:
+        """Checkpoint images (memory + process state) of snapshots and hibernated sandboxes."""
+        return self.home / "images"
 
     @property
     def catalog_path(self) -> Path:

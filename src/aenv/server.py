@@ -9,7 +9,8 @@ import uvicorn
 
 from .config import Settings
 from .orchestrator.catalog import Catalog
-from .orchestrator.service import Orchestrator
+from .orchestrator.lifecycle import Orchestrator
+from .orchestrator.storage import SandboxStorage
 
 log = logging.getLogger("aenv.server")
 
@@ -24,7 +25,8 @@ def build_orchestrator(settings: Settings) -> Orchestrator:
     layers = LayerStore(settings)
     bundle = ensure_bundle(settings)
     runtime = GVisorRuntime(settings)
-    return Orchestrator(settings, catalog, runtime, layer_path=layers.path, bundle=bundle)
+    storage = SandboxStorage(settings, layers)
+    return Orchestrator(settings, catalog, runtime, storage=storage, bundle=bundle)
 
 
 def serve(settings: Settings) -> None:

@@ -108,6 +108,9 @@ def server() -> Iterator[Server]:
         AENV_NET_PREFIX="aeit",
         AENV_NET_CIDR="10.203.0.0/16",
         AENV_NET_POOL_SIZE="2",
+        # A small node budget, so a test can run into it (fork with partial failure).
+        AENV_MAX_MEMORY_MB="12288",
+        AENV_HIBERNATE_AFTER="5",
     )
     subprocess.run([AENV, "template", "build-base", "--quiet"], env=env, check=True, timeout=900)
     srv = Server(

@@ -6,6 +6,7 @@ import json
 import sqlite3
 import time
 from pathlib import Path
+from typing import Any
 
 from e2b import Sandbox
 
@@ -51,14 +52,19 @@ while True:
 '''
 
 
-def sandbox_address(home: Path, sandbox_id: str) -> str:
-    """The host-side address of a sandbox, read from the node's catalog."""
+def sandbox_record(home: Path, sandbox_id: str) -> dict[str, Any]:
+    """A sandbox's record as the node persisted it in its catalog."""
     db = sqlite3.connect(str(home / "catalog.db"))
     try:
         (doc,) = db.execute("SELECT doc FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone()
     finally:
         db.close()
-    return str(json.loads(doc)["instance"]["address"])
+    return dict(json.loads(doc))
+
+
+def sandbox_address(home: Path, sandbox_id: str) -> str:
+    """The host-side address of a sandbox, read from the node's catalog."""
+    return str(sandbox_record(home, sandbox_id)["instance"]["address"])
 
 
 def wait_port(sbx: Sandbox, port: int, timeout: float = 15) -> None:

@@ -15,12 +15,12 @@ from starlette.types import ASGIApp
 
 from aenv import __version__
 from aenv.config import Settings
-from aenv.orchestrator.service import Orchestrator
+from aenv.orchestrator.lifecycle import Orchestrator
 from aenv.proxy.dispatch import SandboxRouter
 
 from .errors import install_error_handlers
 from .idempotency import IdempotencyCache
-from .routes import health, sandboxes
+from .routes import health, sandboxes, snapshots
 
 
 def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAPI:
@@ -48,6 +48,7 @@ def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAP
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(sandboxes.router)
+    app.include_router(snapshots.router)
     return app
 
 

@@ -65,6 +65,14 @@ class SandboxRecord:
     paused_state: dict[str, Any] | None = None
     # Free-form, e.g. why a sandbox was marked lost.
     note: str | None = None
+    # The read-only layer stack under the sandbox (topmost first) and its writable upper dir:
+    # snapshots seal the upper into a new layer on top of the stack.
+    layers: list[str] = field(default_factory=list)
+    upper: str | None = None
+    # Template document fields the sandbox inherited (env, user, workdir) for re-boots.
+    boot: dict[str, Any] = field(default_factory=dict)
+    # Where it came from when forked.
+    parent_id: str | None = None
 
     @property
     def address(self) -> str | None:

@@ -1,7 +1,8 @@
 """The orchestrator: the sandbox lifecycle state machine over a runtime and the catalog.
 
-It owns the in-memory table of sandboxes (persisted to the catalog on every change), one
-lock per sandbox so lifecycle operations on one sandbox never interleave, and the TTL loop.
+It owns the in-memory table of sandboxes (persisted to the catalog on every change), one lock
+per sandbox so lifecycle operations on one sandbox never interleave, and the TTL/hibernation
+loop. Pausing, snapshots and fork live in `lifecycle.py`; this module holds the core.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import asyncio
 import builtins
 import contextlib
 import logging
+import os
 import secrets
 import string
 import time
@@ -20,23 +22,30 @@ from typing import Any
 
 from .. import ENVD_VERSION
 from ..config import Settings
-from ..errors import AenvError, BadRequest, Conflict, Gone, NotFound, RuntimeFailure, Unavailable
+from ..errors import (
+    AenvError,
+    BadRequest,
+    NotFound,
+    RuntimeFailure,
+    Unavailable,
+)
 from ..runtime.base import Instance, Mount, Runtime, SandboxSpec
 from .catalog import Catalog
 from .envd_client import EnvdClient
 from .models import CreateRequest, SandboxRecord, State, utcnow
+from .storage import SandboxStorage
 
 log = logging.getLogger("aenv.orchestrator")
 
 ENVD_PORT = 49983
 _ID_ALPHABET = string.ascii_lowercase + string.digits
-# States in which the sandbox still holds runtime resources.
-_LIVE = {State.RUNNING, State.PAUSED, State.CREATING, State.PAUSING, State.RESUMING}
+# States in which a sandbox counts against the node's memory budget.
+_HOLDS_MEMORY = {State.CREATING, State.RUNNING, State.PAUSING, State.RESUMING}
 
 
-def new_sandbox_id() -> str:
+def new_id(prefix: str = "i") -> str:
     # E2B-style: 20 lowercase alphanumerics; no '-' so `{port}-{id}.{domain}` parses.
-    return "i" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(19))
+    return prefix + "".join(secrets.choice(_ID_ALPHABET) for _ in range(20 - len(prefix)))
 
 
 class Timings:
@@ -57,28 +66,32 @@ class Timings:
         return ", ".join(f"{k};dur={v:.1f}" for k, v in self.stages.items())
 
 
-class Orchestrator:
+def _host_memory_mb() -> int:
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
+
+
+class OrchestratorCore:
     def __init__(
         self,
         settings: Settings,
         catalog: Catalog,
         runtime: Runtime,
         *,
-        layer_path: Any,
+        storage: SandboxStorage,
         bundle: Any,
     ) -> None:
         self.settings = settings
         self.catalog = catalog
         self.runtime = runtime
-        # `layer_path(digest) -> Path` (images.layers.LayerStore.path) and the envd bundle
-        # (runtime.bundle.EnvdBundle): injected so tests and other backends can swap them.
-        self._layer_path = layer_path
+        self.storage = storage
+        # The envd runtime bundle (runtime.bundle.EnvdBundle), mounted into every sandbox.
         self._bundle = bundle
         self.envd = EnvdClient()
         self._records: dict[str, SandboxRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._ttl_task: asyncio.Task[None] | None = None
+        self._loop_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
+        self.memory_budget_mb = settings.max_memory_mb or int(_host_memory_mb() * 0.9)
 
     # ------------------------------------------------------------------ lifecycle of the node
     async def start(self) -> None:
@@ -90,39 +103,79 @@ class Orchestrator:
         }
         recovered = await self.runtime.start(keep)
         for r in records:
-            if r.state in (State.KILLED,):
+            if r.state is State.KILLED:
                 await self.catalog.adelete_sandbox(r.sandbox_id)
                 continue
             if r.instance and r.instance["container_id"] in recovered:
-                inst = recovered[r.instance["container_id"]]
-                r.instance = inst.to_json()
+                r.instance = recovered[r.instance["container_id"]].to_json()
                 if r.state not in (State.RUNNING, State.PAUSED):
                     r.state = State.RUNNING
                 log.info("recovered sandbox %s (%s)", r.sandbox_id, r.state)
-            elif r.state in _LIVE:
+            elif r.state is State.PAUSED and r.paused_state and r.paused_state.get("tier") in (
+                "hibernated",
+                "files",
+            ):
+                r.instance = None  # durable on disk; nothing was running
+            elif r.state is not State.LOST:
                 r.state = State.LOST
                 r.instance = None
-                r.note = "the sandbox was running when the server stopped and could not be recovered"
+                r.note = "it was running when the server stopped and could not be recovered"
                 log.warning("sandbox %s lost across the restart", r.sandbox_id)
             self._records[r.sandbox_id] = r
             await self.catalog.aput_sandbox(r)
-        self._ttl_task = asyncio.create_task(self._ttl_loop(), name="aenv-ttl")
+        self._loop_task = asyncio.create_task(self._timer_loop(), name="aenv-timers")
 
     async def close(self) -> None:
-        if self._ttl_task:
-            self._ttl_task.cancel()
+        if self._loop_task:
+            self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._ttl_task
+                await self._loop_task
+        await self._on_shutdown()
         if self._bg:
             await asyncio.gather(*self._bg, return_exceptions=True)
         await self.runtime.close()
         await self.envd.close()
+
+    async def _on_shutdown(self) -> None:
+        """Hook for subclasses (hibernate frozen sandboxes)."""
+
+    async def _timer_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await self._tick()
+            except Exception:
+                log.exception("timer loop")
+
+    async def _tick(self) -> None:
+        now = utcnow()
+        for r in list(self._records.values()):
+            if r.end_at > now or r.state is not State.RUNNING:
+                continue
+            try:
+                await self._on_timeout(r)
+            except AenvError as e:
+                log.info("timeout handling of %s: %s", r.sandbox_id, e.message)
+            except Exception:
+                log.exception("timeout handling of %s failed", r.sandbox_id)
+
+    async def _on_timeout(self, r: SandboxRecord) -> None:
+        log.info("sandbox %s timed out: killing", r.sandbox_id)
+        await self.kill(r.sandbox_id)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         lock = self._locks.get(sandbox_id)
         if lock is None:
             lock = self._locks[sandbox_id] = asyncio.Lock()
         return lock
+
+    async def _save(self, r: SandboxRecord) -> None:
+        await self.catalog.aput_sandbox(r)
 
     # ------------------------------------------------------------------ queries
     def get(self, sandbox_id: str) -> SandboxRecord:
@@ -155,43 +208,105 @@ class Orchestrator:
         out.sort(key=lambda r: (r.started_at, r.sandbox_id))
         return out
 
-    # ------------------------------------------------------------------ create
-    def _template(self, template_id: str) -> tuple[str, dict[str, Any], builtins.list[str]]:
+    # ------------------------------------------------------------------ booting
+    def template(self, template_id: str) -> tuple[str, dict[str, Any], builtins.list[str]]:
         found = self.catalog.template(template_id)
         if found is None:
             raise NotFound(f"template {template_id!r} not found")
         return found
 
-    def _spec(self, sandbox_id: str, doc: dict[str, Any], cpu: int, mem: int) -> SandboxSpec:
-        layers = [Path(self._layer_path(d)) for d in doc["layers"]]
-        for p in layers:
+    def _reserve(self, memory_mb: int) -> None:
+        used = sum(r.memory_mb for r in self._records.values() if r.state in _HOLDS_MEMORY)
+        if used + memory_mb > self.memory_budget_mb:
+            raise Unavailable(
+                f"not enough memory on this node: {used} MiB of {self.memory_budget_mb} MiB "
+                f"in use, {memory_mb} MiB requested"
+            )
+
+    def _spec(self, r: SandboxRecord) -> SandboxSpec:
+        layers = [self.storage.layers.path(d) for d in r.layers]
+        for d, p in zip(r.layers, layers, strict=True):
             if not p.is_dir():
-                raise Unavailable(f"layer {p.name} of the template is missing on this node")
+                raise Unavailable(f"layer {d} of sandbox {r.sandbox_id} is missing on this node")
         bundle = self._bundle
         return SandboxSpec(
-            sandbox_id=sandbox_id,
+            sandbox_id=r.sandbox_id,
             layers=layers,
             args=bundle.init_args(port=ENVD_PORT),
             env=bundle.init_env(),
             mounts=[Mount(bundle.host_path, bundle.MOUNT, readonly=True)],
-            cpu_count=cpu,
-            memory_mb=mem,
+            cpu_count=r.cpu_count,
+            memory_mb=r.memory_mb,
             hostname="sandbox",
+            upper=Path(r.upper) if r.upper else None,
         )
 
-    async def create(self, req: CreateRequest, timings: Timings | None = None) -> SandboxRecord:
-        t = timings or Timings()
-        s = self.settings
-        template_id, doc, names = await asyncio.to_thread(self._template, req.template_id)
-        timeout = s.default_timeout if req.timeout is None else req.timeout
-        if timeout < 0 or timeout > s.max_timeout:
-            raise BadRequest(f"timeout must be between 0 and {s.max_timeout} seconds")
-        cpu = req.cpu_count or int(doc.get("cpu_count") or s.default_cpu_count)
-        mem = req.memory_mb or int(doc.get("memory_mb") or s.default_memory_mb)
-        sandbox_id = new_sandbox_id()
+    async def _boot(
+        self,
+        r: SandboxRecord,
+        t: Timings,
+        *,
+        image: Path | None = None,
+        reuse: Instance | None = None,
+        init_from: str | None = None,
+        init: bool = True,
+    ) -> Instance:
+        """Starts the sandbox's container (fresh, or restored from `image`) and readies envd.
+
+        `init_from` is the access token the restored envd still holds (it must authorise
+        its own re-initialisation); `init=False` skips /init for a plain resume."""
+        spec = self._spec(r)
+        inst: Instance | None = None
+        try:
+            if image is None:
+                with t.stage("boot"):
+                    inst = await self.runtime.create(spec, reuse=reuse)
+            else:
+                with t.stage("restore"):
+                    inst = await self.runtime.restore(spec, image, reuse=reuse)
+            r.instance = inst.to_json()
+            with t.stage("envd-ready"):
+                await self.envd.wait_ready(inst.address, ENVD_PORT)
+            if init:
+                with t.stage("envd-init"):
+                    await self.envd.init(
+                        inst.address,
+                        ENVD_PORT,
+                        token=r.envd_access_token,
+                        env_vars={**(r.boot.get("env") or {}), **r.env_vars},
+                        user=r.boot.get("user"),
+                        workdir=r.boot.get("workdir"),
+                        current_token=init_from,
+                    )
+        except BaseException as e:
+            if inst is not None:
+                await self._destroy_quietly(inst)
+            r.instance = None
+            if isinstance(e, AenvError | asyncio.CancelledError):
+                raise
+            raise RuntimeFailure(f"sandbox {r.sandbox_id} failed to start: {e}") from e
+        return inst
+
+    async def _destroy_quietly(self, inst: Instance) -> None:
+        try:
+            await self.runtime.destroy(inst)
+        except Exception:
+            log.exception("destroying %s failed", inst.container_id)
+
+    def _new_record(
+        self,
+        *,
+        template_id: str,
+        alias: str | None,
+        doc: dict[str, Any],
+        req: CreateRequest,
+        timeout: int,
+        cpu: int,
+        mem: int,
+    ) -> SandboxRecord:
         now = utcnow()
-        alias = req.template_id if req.template_id in names else (names[0] if names else None)
-        record = SandboxRecord(
+        sandbox_id = new_id()
+        return SandboxRecord(
             sandbox_id=sandbox_id,
             template_id=template_id,
             alias=alias,
@@ -200,7 +315,7 @@ class Orchestrator:
             end_at=now + timedelta(seconds=timeout),
             cpu_count=cpu,
             memory_mb=mem,
-            disk_mb=s.default_disk_mb,
+            disk_mb=self.settings.default_disk_mb,
             state=State.CREATING,
             envd_version=ENVD_VERSION,
             envd_access_token=secrets.token_urlsafe(24) if req.secure else "",
@@ -210,45 +325,53 @@ class Orchestrator:
             auto_pause_memory=req.auto_pause_memory,
             auto_resume=req.auto_resume,
             allow_internet_access=req.allow_internet_access,
+            layers=list(doc["layers"]),
+            upper=str(self.storage.new_upper(sandbox_id)),
+            boot={k: doc.get(k) for k in ("env", "user", "workdir")},
         )
-        spec = self._spec(sandbox_id, doc, cpu, mem)
-        self._records[sandbox_id] = record
-        inst: Instance | None = None
-        try:
-            with t.stage("boot"):
-                inst = await self.runtime.create(spec)
-            record.instance = inst.to_json()
-            with t.stage("envd"):
-                await self.envd.wait_ready(inst.address, ENVD_PORT)
-                await self.envd.init(
-                    inst.address,
-                    ENVD_PORT,
-                    token=record.envd_access_token,
-                    env_vars={**(doc.get("env") or {}), **record.env_vars},
-                    user=doc.get("user"),
-                    workdir=doc.get("workdir"),
-                )
-        except BaseException as e:
-            self._records.pop(sandbox_id, None)
-            if inst is not None:
-                await self._destroy_quietly(inst)
-            if isinstance(e, AenvError):
-                raise
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            raise RuntimeFailure(f"sandbox failed to start: {e}") from e
-        record.state = State.RUNNING
-        # Restart the clock from readiness, so a slow boot doesn't eat the user's timeout.
-        record.end_at = utcnow() + timedelta(seconds=timeout)
-        await self.catalog.aput_sandbox(record)
-        record_timings(record, t)
-        return record
 
-    async def _destroy_quietly(self, inst: Instance) -> None:
+    def _check_timeout(self, timeout: int) -> None:
+        if timeout < 0 or timeout > self.settings.max_timeout:
+            raise BadRequest(f"timeout must be between 0 and {self.settings.max_timeout} seconds")
+
+    async def create(self, req: CreateRequest, timings: Timings | None = None) -> SandboxRecord:
+        t = timings or Timings()
+        s = self.settings
+        template_id, doc, names = await asyncio.to_thread(self.template, req.template_id)
+        timeout = s.default_timeout if req.timeout is None else req.timeout
+        self._check_timeout(timeout)
+        if doc.get("checkpoint"):
+            # A snapshot carries memory: the sandbox continues from it with its recorded size.
+            cpu, mem = int(doc["cpu_count"]), int(doc["memory_mb"])
+        else:
+            cpu = req.cpu_count or int(doc.get("cpu_count") or s.default_cpu_count)
+            mem = req.memory_mb or int(doc.get("memory_mb") or s.default_memory_mb)
+        alias = req.template_id if req.template_id in names else (names[0] if names else None)
+        self._reserve(mem)
+        r = self._new_record(
+            template_id=template_id, alias=alias, doc=doc, req=req, timeout=timeout, cpu=cpu, mem=mem
+        )
+        self._records[r.sandbox_id] = r
         try:
-            await self.runtime.destroy(inst)
-        except Exception:
-            log.exception("destroying %s failed", inst.container_id)
+            if doc.get("checkpoint"):
+                await self._boot(
+                    r,
+                    t,
+                    image=self.storage.image_dir(str(doc["checkpoint"])),
+                    init_from=doc.get("envd_token") or None,
+                )
+            else:
+                await self._boot(r, t)
+        except BaseException:
+            self._records.pop(r.sandbox_id, None)
+            await asyncio.to_thread(self.storage.remove_sandbox, r.sandbox_id)
+            raise
+        r.state = State.RUNNING
+        # The clock starts at readiness, so a slow boot doesn't eat the user's timeout.
+        r.end_at = utcnow() + timedelta(seconds=timeout)
+        await self._save(r)
+        record_timings(r, t)
+        return r
 
     # ------------------------------------------------------------------ kill / timeouts
     async def kill(self, sandbox_id: str) -> None:
@@ -259,21 +382,26 @@ class Orchestrator:
             if r.state in (State.KILLED, State.KILLING):
                 raise NotFound(f"sandbox {sandbox_id!r} not found")
             r.state = State.KILLING
-            inst = Instance.from_json(r.instance) if r.instance else None
-            if inst is not None:
-                await self._destroy_quietly(inst)
+            if r.instance:
+                await self._destroy_quietly(Instance.from_json(r.instance))
             r.state = State.KILLED
             r.instance = None
             self._records.pop(sandbox_id, None)
             self._locks.pop(sandbox_id, None)
             await self.catalog.adelete_sandbox(sandbox_id)
+            await self._forget(r)
+
+    async def _forget(self, r: SandboxRecord) -> None:
+        """Drops what a killed sandbox left on disk (its uppers, a hibernation image)."""
+        await asyncio.to_thread(self.storage.remove_sandbox, r.sandbox_id)
+        if r.paused_state and r.paused_state.get("image"):
+            await asyncio.to_thread(self.storage.remove_image, str(r.paused_state["image"]))
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
         r = self.get(sandbox_id)
-        if timeout < 0 or timeout > self.settings.max_timeout:
-            raise BadRequest(f"timeout must be between 0 and {self.settings.max_timeout} seconds")
+        self._check_timeout(timeout)
         r.end_at = utcnow() + timedelta(seconds=timeout)
-        await self.catalog.aput_sandbox(r)
+        await self._save(r)
         return r
 
     async def refresh(self, sandbox_id: str, duration: int | None) -> SandboxRecord:
@@ -282,88 +410,8 @@ class Orchestrator:
         if d < 0 or d > 3600:
             raise BadRequest("duration must be between 0 and 3600 seconds")
         r.end_at = max(r.end_at, utcnow() + timedelta(seconds=d))
-        await self.catalog.aput_sandbox(r)
+        await self._save(r)
         return r
-
-    async def _ttl_loop(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            now = utcnow()
-            for r in list(self._records.values()):
-                if r.end_at > now:
-                    continue
-                try:
-                    if r.state is State.RUNNING:
-                        if r.auto_pause:
-                            log.info("sandbox %s timed out: pausing", r.sandbox_id)
-                            await self.pause(r.sandbox_id, memory=r.auto_pause_memory)
-                        else:
-                            log.info("sandbox %s timed out: killing", r.sandbox_id)
-                            await self.kill(r.sandbox_id)
-                except AenvError as e:
-                    log.info("timeout handling of %s: %s", r.sandbox_id, e.message)
-                except Exception:
-                    log.exception("timeout handling of %s failed", r.sandbox_id)
-
-    # ------------------------------------------------------------------ pause / resume
-    async def pause(self, sandbox_id: str, memory: bool = True, timings: Timings | None = None) -> None:
-        t = timings or Timings()
-        r = self.get(sandbox_id)
-        async with self._lock(sandbox_id):
-            r = self.get(sandbox_id)
-            if r.state is State.PAUSED:
-                raise Conflict(f"sandbox {sandbox_id!r} is already paused")
-            if r.state is not State.RUNNING or r.instance is None:
-                raise Conflict(f"sandbox {sandbox_id!r} cannot be paused in state {r.state}")
-            with t.stage("freeze"):
-                await self.runtime.freeze(Instance.from_json(r.instance))
-            r.state = State.PAUSED
-            r.paused_state = {"tier": "frozen", "paused_at": utcnow().isoformat()}
-            await self.catalog.aput_sandbox(r)
-        record_timings(r, t)
-
-    async def _resume_locked(self, r: SandboxRecord, t: Timings) -> None:
-        assert r.instance is not None
-        with t.stage("thaw"):
-            await self.runtime.thaw(Instance.from_json(r.instance))
-        r.state = State.RUNNING
-        r.paused_state = None
-
-    async def connect(
-        self,
-        sandbox_id: str,
-        timeout: int | None,
-        memory: bool | None = None,
-        timings: Timings | None = None,
-    ) -> tuple[SandboxRecord, bool]:
-        t = timings or Timings()
-        r = self.get(sandbox_id)
-        async with self._lock(sandbox_id):
-            r = self.get(sandbox_id)
-            resumed = False
-            if r.state is State.PAUSED:
-                await self._resume_locked(r, t)
-                resumed = True
-                ttl = self.settings.default_timeout if timeout is None else timeout
-                r.end_at = utcnow() + timedelta(seconds=ttl)
-            elif timeout is not None:
-                r.end_at = max(r.end_at, utcnow() + timedelta(seconds=timeout))
-            await self.catalog.aput_sandbox(r)
-        record_timings(r, t)
-        return r, resumed
-
-    # ------------------------------------------------------------------ data plane
-    async def resolve(self, sandbox_id: str, port: int) -> tuple[str, int]:
-        r = self._records.get(sandbox_id)
-        if r is None or r.state not in (State.RUNNING, State.PAUSED, State.RESUMING):
-            raise NotFound(f"sandbox {sandbox_id!r} not found")
-        if r.state is not State.RUNNING:
-            if not r.auto_resume:
-                raise Gone(f"sandbox {sandbox_id!r} is paused")
-            await self.connect(sandbox_id, max(300, self.settings.default_timeout))
-        if r.address is None:
-            raise NotFound(f"sandbox {sandbox_id!r} is not running")
-        return r.address, port
 
 
 def record_timings(r: SandboxRecord, t: Timings) -> None:

@@ -14,8 +14,8 @@ from fastapi import APIRouter, Depends, Header, Query, Response
 
 from aenv.config import Settings
 from aenv.errors import BadRequest, Conflict, NotFound
+from aenv.orchestrator.lifecycle import Orchestrator
 from aenv.orchestrator.models import CreateRequest, SandboxRecord
-from aenv.orchestrator.service import Orchestrator
 
 from ..auth import require_api_key
 from ..deps import IdempotencyDep, OrchestratorDep, SettingsDep

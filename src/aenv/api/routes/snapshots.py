@@ -1,0 +1,182 @@
+"""Snapshots, fork and the template catalog (snapshots are templates)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+
+from fastapi import APIRouter, Depends, Query, Response
+from pydantic import Field
+
+from aenv import ENVD_VERSION
+from aenv.errors import BadRequest
+
+from ..auth import require_api_key
+from ..deps import OrchestratorDep
+from ..models import ErrorBody, Sandbox, _Request, _Response
+from .sandboxes import NEXT_TOKEN_HEADER, _add_timing, server_timing
+
+router = APIRouter(
+    tags=["snapshots"],
+    dependencies=[Depends(require_api_key)],
+    responses={s: {"model": ErrorBody} for s in (400, 401, 404, 409, 500)},
+)
+
+
+class SnapshotRequest(_Request):
+    name: str | None = Field(default=None, max_length=128)
+    memory: bool | None = None
+
+
+class SnapshotInfo(_Response):
+    snapshot_id: str = Field(alias="snapshotID")
+    names: list[str]
+
+
+class ForkRequest(_Request):
+    count: int = Field(default=1, ge=1, le=20)
+    timeout: int | None = Field(default=None, ge=0)
+
+
+class ForkResultBody(_Response):
+    sandbox: Sandbox | None = None
+    error: ErrorBody | None = None
+
+
+class TemplateInfo(_Response):
+    template_id: str = Field(alias="templateID")
+    build_id: str = Field(alias="buildID")
+    cpu_count: int = Field(alias="cpuCount")
+    memory_mb: int = Field(alias="memoryMB")
+    disk_size_mb: int = Field(alias="diskSizeMB")
+    public: bool = False
+    aliases: list[str]
+    names: list[str]
+    created_at: datetime = Field(alias="createdAt")
+    updated_at: datetime = Field(alias="updatedAt")
+    created_by: None = Field(default=None, alias="createdBy")
+    last_spawned_at: datetime | None = Field(default=None, alias="lastSpawnedAt")
+    spawn_count: int = Field(default=0, alias="spawnCount")
+    build_count: int = Field(default=1, alias="buildCount")
+    envd_version: str = Field(default=ENVD_VERSION, alias="envdVersion")
+    build_status: str = Field(default="ready", alias="buildStatus")
+
+    _KEEP_NULL: ClassVar[frozenset[str]] = frozenset({"createdBy", "lastSpawnedAt"})
+
+    @classmethod
+    def from_doc(cls, tid: str, doc: dict[str, Any], names: list[str]) -> TemplateInfo:
+        created = _when(doc.get("created_at"))
+        return cls(
+            templateID=tid,
+            buildID=str(doc.get("build_id") or tid),
+            cpuCount=int(doc.get("cpu_count") or 2),
+            memoryMB=int(doc.get("memory_mb") or 512),
+            diskSizeMB=int(doc.get("disk_mb") or 1024),
+            aliases=names,
+            names=names,
+            createdAt=created,
+            updatedAt=created,
+            buildStatus=str(doc.get("build_status") or "ready"),
+        )
+
+
+def _when(value: object) -> datetime:
+    if isinstance(value, str):
+        with_tz = datetime.fromisoformat(value)
+        return with_tz if with_tz.tzinfo else with_tz.replace(tzinfo=UTC)
+    return datetime.now(UTC)
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, summary="Snapshot a sandbox")
+async def create_snapshot(
+    sandbox_id: str,
+    response: Response,
+    orchestrator: OrchestratorDep,
+    body: SnapshotRequest | None = None,
+) -> SnapshotInfo:
+    body = body or SnapshotRequest()
+    if body.memory is False:
+        raise BadRequest("snapshots always include memory here; omit `memory` or set it true")
+    snap_id, names = await orchestrator.snapshot(sandbox_id, body.name)
+    _add_timing(response, orchestrator.get(sandbox_id))
+    return SnapshotInfo(snapshotID=snap_id, names=names)
+
+
+@router.get("/snapshots", summary="List snapshots")
+async def list_snapshots(
+    response: Response,
+    orchestrator: OrchestratorDep,
+    sandbox_id: str | None = Query(default=None, alias="sandboxID"),
+    name: str | None = None,
+    limit: int = Query(default=100, ge=1, le=1000),
+    next_token: str | None = Query(default=None, alias="nextToken"),
+) -> list[SnapshotInfo]:
+    items = orchestrator.snapshots(sandbox_id=sandbox_id, name=name)
+    start = 0
+    if next_token:
+        try:
+            start = int(json.loads(base64.urlsafe_b64decode(next_token.encode()))["o"])
+        except Exception as e:
+            raise BadRequest("invalid nextToken") from e
+    page = items[start : start + limit]
+    if start + limit < len(items):
+        token = base64.urlsafe_b64encode(json.dumps({"o": start + limit}).encode()).decode()
+        response.headers[NEXT_TOKEN_HEADER] = token
+    return [SnapshotInfo(snapshotID=tid, names=names) for tid, _doc, names in page]
+
+
+@router.post("/sandboxes/{sandbox_id}/fork", status_code=201, summary="Fork a running sandbox")
+async def fork_sandbox(
+    sandbox_id: str,
+    response: Response,
+    orchestrator: OrchestratorDep,
+    body: ForkRequest | None = None,
+) -> list[ForkResultBody]:
+    body = body or ForkRequest()
+    results = await orchestrator.fork(sandbox_id, body.count, body.timeout)
+    timing = server_timing(getattr(orchestrator.get(sandbox_id), "timings", None))
+    if timing:
+        response.headers["Server-Timing"] = timing
+    out = []
+    for r in results:
+        if r.sandbox is not None:
+            out.append(ForkResultBody(sandbox=Sandbox.from_record(r.sandbox)))
+        else:
+            err = r.error
+            assert err is not None
+            out.append(ForkResultBody(error=ErrorBody(code=err.status, message=err.message)))
+    return out
+
+
+@router.get("/templates", summary="List templates")
+@router.get("/v2/templates", summary="List templates", include_in_schema=False)
+async def list_templates(orchestrator: OrchestratorDep) -> list[TemplateInfo]:
+    return [
+        TemplateInfo.from_doc(tid, doc, names)
+        for tid, doc, names in orchestrator.catalog.templates()
+        if not doc.get("internal")
+    ]
+
+
+@router.get("/templates/aliases/{alias}", summary="Resolve a template alias")
+async def template_alias(alias: str, orchestrator: OrchestratorDep) -> dict[str, Any]:
+    tid, _doc, _names = orchestrator.template(alias)
+    return {"templateID": tid, "public": False}
+
+
+@router.get("/templates/{template_id:path}", summary="Get a template")
+async def get_template(template_id: str, orchestrator: OrchestratorDep) -> dict[str, Any]:
+    tid, doc, names = orchestrator.template(template_id)
+    info = TemplateInfo.from_doc(tid, doc, names).model_dump(by_alias=True, mode="json")
+    return {**info, "builds": []}
+
+
+@router.delete(
+    "/templates/{template_id:path}", status_code=204, response_class=Response,
+    summary="Delete a template or snapshot",
+)
+async def delete_template(template_id: str, orchestrator: OrchestratorDep) -> Response:
+    await orchestrator.delete_template(template_id)
+    return Response(status_code=204)

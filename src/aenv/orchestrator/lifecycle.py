@@ -1,0 +1,364 @@
+"""Pause (freeze → hibernate, or files only), resume, snapshots and fork.
+
+Tiers of a paused sandbox (`record.paused_state["tier"]`):
+    frozen      the container is paused in place: CPU released, memory kept; resume = thaw
+    hibernated  memory + processes checkpointed to an image, container and slot released;
+                resume = restore the image over the same layers and upper
+    files       only the files are kept (E2B `memory: false`); resume = a fresh boot
+
+A snapshot checkpoints the running sandbox, seals its upper into a read-only layer and
+restores it on a fresh upper over the new stack (same id, address and processes). The
+snapshot is then a template: its layer stack + the checkpoint image. Fork = a snapshot that
+N children restore from, each on its own empty upper: no file data is copied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import logging
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from ..errors import AenvError, BadRequest, Conflict, Gone, NotFound
+from ..runtime.base import Instance
+from .models import CreateRequest, SandboxRecord, State, utcnow
+from .service import OrchestratorCore, Timings, new_id, record_timings
+
+log = logging.getLogger("aenv.orchestrator")
+
+
+@dataclass
+class ForkResult:
+    sandbox: SandboxRecord | None = None
+    error: AenvError | None = None
+
+
+class Orchestrator(OrchestratorCore):
+    # ------------------------------------------------------------------ timers
+    async def _on_timeout(self, r: SandboxRecord) -> None:
+        if r.auto_pause:
+            log.info("sandbox %s timed out: pausing", r.sandbox_id)
+            await self.pause(r.sandbox_id, memory=r.auto_pause_memory)
+        else:
+            await super()._on_timeout(r)
+
+    async def _tick(self) -> None:
+        await super()._tick()
+        after = self.settings.hibernate_after
+        now = utcnow()
+        for r in list(self._records.values()):
+            ps = r.paused_state or {}
+            if r.state is not State.PAUSED or ps.get("tier") != "frozen":
+                continue
+            if (now - _parse(ps["paused_at"])).total_seconds() < after:
+                continue
+            try:
+                await self.hibernate(r.sandbox_id)
+            except Exception:
+                log.exception("hibernating %s failed", r.sandbox_id)
+
+    async def _on_shutdown(self) -> None:
+        # Frozen sandboxes would die with the host's processes on a reboot: put them on disk.
+        for r in list(self._records.values()):
+            if r.state is State.PAUSED and (r.paused_state or {}).get("tier") == "frozen":
+                try:
+                    await self.hibernate(r.sandbox_id)
+                except Exception:
+                    log.exception("hibernating %s at shutdown failed", r.sandbox_id)
+
+    # ------------------------------------------------------------------ pause
+    async def pause(
+        self, sandbox_id: str, memory: bool = True, timings: Timings | None = None
+    ) -> None:
+        t = timings or Timings()
+        self.get(sandbox_id)
+        async with self._lock(sandbox_id):
+            r = self.get(sandbox_id)
+            if r.state is State.PAUSED:
+                raise Conflict(f"sandbox {sandbox_id!r} is already paused")
+            if r.state is not State.RUNNING or r.instance is None:
+                raise Conflict(f"sandbox {sandbox_id!r} cannot be paused while {r.state}")
+            inst = Instance.from_json(r.instance)
+            if not memory:
+                with t.stage("stop"):
+                    await self.runtime.destroy(inst)
+                r.instance = None
+                r.paused_state = {"tier": "files", "paused_at": utcnow().isoformat()}
+            else:
+                with t.stage("freeze"):
+                    await self.runtime.freeze(inst)
+                r.paused_state = {"tier": "frozen", "paused_at": utcnow().isoformat()}
+            r.state = State.PAUSED
+            await self._save(r)
+            if memory and self.settings.hibernate_after <= 0:
+                await self._hibernate_locked(r, t)
+        record_timings(r, t)
+
+    async def hibernate(self, sandbox_id: str, timings: Timings | None = None) -> None:
+        t = timings or Timings()
+        async with self._lock(sandbox_id):
+            r = self._records.get(sandbox_id)
+            if r is None or r.state is not State.PAUSED:
+                return
+            if (r.paused_state or {}).get("tier") != "frozen":
+                return
+            await self._hibernate_locked(r, t)
+        record_timings(r, t)
+
+    async def _hibernate_locked(self, r: SandboxRecord, t: Timings) -> None:
+        assert r.instance is not None
+        inst = Instance.from_json(r.instance)
+        name = f"hib-{r.sandbox_id}"
+        image = await asyncio.to_thread(self.storage.fresh_image_dir, name)
+        with t.stage("checkpoint"):
+            await self.runtime.checkpoint(inst, image, leave_running=False)
+        with t.stage("release"):
+            await self.runtime.destroy(inst)
+        r.instance = None
+        r.paused_state = {**(r.paused_state or {}), "tier": "hibernated", "image": name}
+        await self._save(r)
+        log.info("sandbox %s hibernated", r.sandbox_id)
+
+    # ------------------------------------------------------------------ resume
+    async def _resume_locked(self, r: SandboxRecord, t: Timings) -> None:
+        ps = r.paused_state or {}
+        tier = ps.get("tier")
+        if tier != "frozen":
+            self._reserve(r.memory_mb)
+        r.state = State.RESUMING
+        try:
+            if tier == "frozen":
+                assert r.instance is not None
+                with t.stage("thaw"):
+                    await self.runtime.thaw(Instance.from_json(r.instance))
+            elif tier == "hibernated":
+                image = self.storage.image_dir(str(ps["image"]))
+                if not (image / "checkpoint.img").exists():
+                    raise NotFound(
+                        f"the memory image of paused sandbox {r.sandbox_id!r} is missing"
+                    )
+                await self._boot(r, t, image=image, init=False)
+                self._spawn(asyncio.to_thread(self.storage.remove_image, str(ps["image"])))
+            else:  # files only: boot fresh on the kept upper
+                await self._boot(r, t)
+        except BaseException:
+            r.state = State.PAUSED
+            raise
+        r.state = State.RUNNING
+        r.paused_state = None
+
+    async def connect(
+        self,
+        sandbox_id: str,
+        timeout: int | None,
+        memory: bool | None = None,
+        timings: Timings | None = None,
+    ) -> tuple[SandboxRecord, bool]:
+        t = timings or Timings()
+        self.get(sandbox_id)
+        async with self._lock(sandbox_id):
+            r = self.get(sandbox_id)
+            resumed = False
+            if timeout is not None:
+                self._check_timeout(timeout)
+            if r.state is State.PAUSED:
+                if memory is False and (r.paused_state or {}).get("tier") != "files":
+                    # E2B's on_resume="reboot": drop the memory, keep the files.
+                    if r.instance:
+                        await self.runtime.destroy(Instance.from_json(r.instance))
+                        r.instance = None
+                    r.paused_state = {"tier": "files", "paused_at": utcnow().isoformat()}
+                await self._resume_locked(r, t)
+                resumed = True
+                ttl = self.settings.default_timeout if timeout is None else timeout
+                r.end_at = utcnow() + timedelta(seconds=ttl)
+            elif timeout is not None:
+                r.end_at = max(r.end_at, utcnow() + timedelta(seconds=timeout))
+            await self._save(r)
+        record_timings(r, t)
+        return r, resumed
+
+    async def resolve(self, sandbox_id: str, port: int) -> tuple[str, int]:
+        r = self._records.get(sandbox_id)
+        if r is None or r.state not in (State.RUNNING, State.PAUSED, State.RESUMING, State.PAUSING):
+            raise NotFound(f"sandbox {sandbox_id!r} not found")
+        if r.state is not State.RUNNING:
+            if not r.auto_resume:
+                raise Gone(f"sandbox {sandbox_id!r} is paused")
+            await self.connect(sandbox_id, max(300, self.settings.default_timeout))
+        if r.address is None:
+            raise NotFound(f"sandbox {sandbox_id!r} is not running")
+        return r.address, port
+
+    # ------------------------------------------------------------------ snapshots
+    async def snapshot(
+        self, sandbox_id: str, name: str | None = None, timings: Timings | None = None
+    ) -> tuple[str, builtins.list[str]]:
+        """Makes a template of the sandbox's files, memory and processes; it keeps running."""
+        t = timings or Timings()
+        self.get(sandbox_id)
+        if name is not None:
+            _check_name(name)
+            if await asyncio.to_thread(self.catalog.template, name) is not None:
+                raise Conflict(f"a template or snapshot named {name!r} already exists")
+        async with self._lock(sandbox_id):
+            r = self.get(sandbox_id)
+            snap_id = await self._snapshot_locked(r, t, names=[name] if name else [])
+        record_timings(r, t)
+        return snap_id, [name] if name else []
+
+    async def _snapshot_locked(
+        self, r: SandboxRecord, t: Timings, *, names: builtins.list[str], internal: bool = False
+    ) -> str:
+        snap_id = new_id("s")
+        image = await asyncio.to_thread(self.storage.fresh_image_dir, snap_id)
+        tier = (r.paused_state or {}).get("tier") if r.state is State.PAUSED else None
+        if r.state is State.RUNNING or tier == "frozen":
+            assert r.instance is not None
+            inst = Instance.from_json(r.instance)
+            if tier == "frozen":
+                with t.stage("thaw"):
+                    await self.runtime.thaw(inst)
+            with t.stage("checkpoint"):
+                await self.runtime.checkpoint(inst, image, leave_running=False)
+            with t.stage("stop"):
+                await self.runtime.stop(inst)
+            await self._restack(r, t, image, reuse=inst, resume=(tier != "frozen"))
+            if tier == "frozen":
+                await self.runtime.freeze(Instance.from_json(r.instance or {}))
+        elif tier == "hibernated":
+            # Already on disk: the snapshot shares the hibernation image.
+            await asyncio.to_thread(self.storage.link_image, str(r.paused_state["image"]), snap_id)  # type: ignore[index]
+            await self._restack(r, t, None, reuse=None, resume=False)
+        else:
+            raise Conflict(f"sandbox {r.sandbox_id!r} cannot be snapshotted while {r.state}")
+        doc: dict[str, Any] = {
+            "kind": "snapshot",
+            "internal": internal,
+            "layers": list(r.layers),
+            "checkpoint": snap_id,
+            "sandbox_id": r.sandbox_id,
+            "parent": r.template_id,
+            "envd_token": r.envd_access_token,
+            "env": r.boot.get("env"),
+            "user": r.boot.get("user"),
+            "workdir": r.boot.get("workdir"),
+            "env_vars": dict(r.env_vars),
+            "cpu_count": r.cpu_count,
+            "memory_mb": r.memory_mb,
+            "created_at": utcnow().isoformat(),
+        }
+        await asyncio.to_thread(self.catalog.put_template, snap_id, doc, names)
+        await self._save(r)
+        return snap_id
+
+    async def _restack(
+        self, r: SandboxRecord, t: Timings, image: Path | None, *, reuse: Instance | None, resume: bool
+    ) -> None:
+        """Seal the upper as a layer and (if `image`) restore the sandbox on a fresh one."""
+        assert r.upper is not None
+        with t.stage("seal"):
+            digest = await asyncio.to_thread(
+                self.storage.seal, Path(r.upper), r.sandbox_id
+            )
+            r.layers = [digest, *r.layers]
+            r.upper = str(await asyncio.to_thread(self.storage.new_upper, r.sandbox_id))
+        if image is not None:
+            try:
+                await self._boot(r, t, image=image, reuse=reuse, init=False)
+            except Exception as e:
+                r.state = State.LOST
+                r.note = f"restoring it after a snapshot failed: {e}"
+                await self._save(r)
+                raise
+
+    async def delete_template(self, template_id: str) -> None:
+        found = await asyncio.to_thread(self.catalog.template, template_id)
+        if found is None:
+            raise NotFound(f"template {template_id!r} not found")
+        tid, doc, _ = found
+        if tid == "base":
+            raise BadRequest("the default template 'base' cannot be deleted")
+        await asyncio.to_thread(self.catalog.delete_template, tid)
+        if doc.get("checkpoint"):
+            await asyncio.to_thread(self.storage.remove_image, str(doc["checkpoint"]))
+
+    def snapshots(self, sandbox_id: str | None = None, name: str | None = None) -> builtins.list[tuple[str, dict[str, Any], builtins.list[str]]]:
+        out = []
+        for tid, doc, names in self.catalog.templates():
+            if doc.get("kind") != "snapshot" or doc.get("internal"):
+                continue
+            if sandbox_id and doc.get("sandbox_id") != sandbox_id:
+                continue
+            if name and name not in names:
+                continue
+            out.append((tid, doc, names))
+        out.sort(key=lambda x: (str(x[1].get("created_at")), x[0]))
+        return out
+
+    # ------------------------------------------------------------------ fork
+    async def fork(
+        self, sandbox_id: str, count: int, timeout: int | None = None, timings: Timings | None = None
+    ) -> builtins.list[ForkResult]:
+        t = timings or Timings()
+        if not 1 <= count <= 20:
+            raise BadRequest("count must be between 1 and 20")
+        if timeout is not None:
+            self._check_timeout(timeout)
+        self.get(sandbox_id)
+        async with self._lock(sandbox_id):
+            parent = self.get(sandbox_id)
+            if parent.state is not State.RUNNING:
+                raise Conflict(f"sandbox {sandbox_id!r} must be running to fork (it is {parent.state})")
+            snap_id = await self._snapshot_locked(parent, t, names=[], internal=True)
+        ttl = timeout
+        if ttl is None:
+            ttl = max(1, int((parent.end_at - utcnow()).total_seconds()))
+        sem = asyncio.Semaphore(max(1, self.settings.fork_concurrency))
+        ct = Timings()
+
+        async def child() -> ForkResult:
+            async with sem:
+                req = CreateRequest(
+                    template_id=snap_id,
+                    timeout=ttl,
+                    metadata=dict(parent.metadata),
+                    env_vars=dict(parent.env_vars),
+                    auto_pause=parent.auto_pause,
+                    auto_pause_memory=parent.auto_pause_memory,
+                    auto_resume=parent.auto_resume,
+                    secure=bool(parent.envd_access_token),
+                )
+                try:
+                    c = await self.create(req, timings=ct)
+                except AenvError as e:
+                    return ForkResult(error=e)
+                except Exception as e:
+                    return ForkResult(error=AenvError(f"fork child failed: {e}"))
+                c.template_id = parent.template_id
+                c.alias = parent.alias
+                c.parent_id = parent.sandbox_id
+                await self._save(c)
+                return ForkResult(sandbox=c)
+
+        with t.stage("children"):
+            results = await asyncio.gather(*(child() for _ in range(count)))
+        # Children no longer need the image; their layers stay (they run on them).
+        await self.delete_template(snap_id)
+        record_timings(parent, t)
+        return list(results)
+
+
+def _parse(ts: str) -> datetime:
+    return datetime.fromisoformat(ts)
+
+
+def _check_name(name: str) -> None:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}", name):
+        raise BadRequest(
+            f"invalid snapshot name {name!r}: use letters, digits and _.:/- (max 128 chars)"
+        )

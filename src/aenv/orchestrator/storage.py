@@ -1,0 +1,80 @@
+"""The orchestrator's on-disk pieces of a sandbox: writable uppers and checkpoint images.
+
+Layout under $AENV_HOME:
+    rw/<sandbox_id>/<generation>/upper    the overlay upper the sandbox writes into
+    images/<name>/                        a runsc checkpoint image (memory + processes)
+
+A snapshot *seals* the current upper: it is renamed into the layer store as a new read-only
+layer (same filesystem, so O(1) whatever was written) and the sandbox continues on a fresh
+empty upper of the next generation on top of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from ..config import Settings
+from ..images.layers import LayerStore
+
+
+class SandboxStorage:
+    def __init__(self, settings: Settings, layers: LayerStore) -> None:
+        self.settings = settings
+        self.layers = layers
+        settings.rw_dir.mkdir(parents=True, exist_ok=True)
+        settings.images_dir.mkdir(parents=True, exist_ok=True)
+
+    def new_upper(self, sandbox_id: str) -> Path:
+        base = self.settings.rw_dir / sandbox_id
+        base.mkdir(parents=True, exist_ok=True)
+        gens = [int(p.name) for p in base.iterdir() if p.name.isdigit()]
+        gen = base / str(max(gens, default=0) + 1)
+        (gen / "upper").mkdir(parents=True)
+        return gen / "upper"
+
+    def seal(self, upper: Path, label: str) -> str:
+        """Turns an upper dir into a read-only layer; returns its digest.
+
+        The digest names the sealed layer uniquely rather than hashing its content: hashing
+        a freshly written GiB would put seconds on the snapshot path for no gain, since no
+        two seals ever hold the same tree."""
+        digest = "sha256:" + hashlib.sha256(f"{label}:{secrets.token_hex(16)}".encode()).hexdigest()
+        self.layers.add_dir(upper, digest, mode="move", source=f"sealed {label}")
+        # The overlay's work dirs of that generation are scratch space: drop them.
+        gen = upper.parent
+        for p in gen.iterdir() if gen.exists() else []:
+            shutil.rmtree(p, ignore_errors=True)
+        if gen.exists() and not any(gen.iterdir()):
+            gen.rmdir()
+        return digest
+
+    def remove_sandbox(self, sandbox_id: str) -> None:
+        shutil.rmtree(self.settings.rw_dir / sandbox_id, ignore_errors=True)
+
+    def image_dir(self, name: str) -> Path:
+        return self.settings.images_dir / name
+
+    def fresh_image_dir(self, name: str) -> Path:
+        d = self.image_dir(name)
+        shutil.rmtree(d, ignore_errors=True)
+        d.parent.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def remove_image(self, name: str) -> None:
+        shutil.rmtree(self.image_dir(name), ignore_errors=True)
+
+    def image_size(self, name: str) -> int:
+        d = self.image_dir(name)
+        return sum(f.stat().st_size for f in d.iterdir()) if d.is_dir() else 0
+
+    def link_image(self, src: str, dst: str) -> Path:
+        """A second name for an image (hard links: images are never modified in place)."""
+        s, d = self.image_dir(src), self.fresh_image_dir(dst)
+        d.mkdir()
+        for f in s.iterdir():
+            os.link(f, d / f.name)
+        return d

@@ -1,0 +1,237 @@
+"""Pause/resume, hibernation, snapshots and fork with the stock E2B Python SDK."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+from .conftest import Server
+from .helpers import sandbox_record
+
+pytestmark = pytest.mark.integration
+
+COUNTER = """
+import time
+n = 0
+while True:
+    n += 1
+    with open('/home/user/counter.tmp', 'w') as f:
+        f.write(str(n))
+    import os; os.replace('/home/user/counter.tmp', '/home/user/counter')
+    time.sleep(0.05)
+"""
+
+
+def counter(s: Sandbox) -> int:
+    return int(s.files.read("/home/user/counter").strip() or 0)
+
+
+def rising(s: Sandbox, above: int, timeout: float = 10) -> int:
+    """Waits until the sandbox's in-memory counter is past `above`; returns it."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = counter(s)
+        if v > above:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"counter stuck at or below {above}")
+
+
+def start_counter(s: Sandbox) -> int:
+    s.files.write("/home/user/counter.py", COUNTER)
+    s.commands.run("python3 /home/user/counter.py", background=True)
+    deadline = time.time() + 10
+    while not s.files.exists("/home/user/counter") and time.time() < deadline:
+        time.sleep(0.05)
+    return rising(s, 3)
+
+
+def state(server: Server, sid: str) -> dict[str, object]:
+    with server.client() as c:
+        return dict(c.get(f"/sandboxes/{sid}").json())
+
+
+def test_pause_connect_keeps_memory_and_files(e2b_env: Server, sandboxes: list[object]) -> None:
+    s = Sandbox.create(template="base", timeout=120)
+    sandboxes.append(s)
+    start_counter(s)
+    s.files.write("/home/user/note.txt", "kept")
+    at_pause = counter(s)
+    assert s.pause()
+    assert s.get_info().state.value == "paused"
+    assert not s.pause()  # already paused → 409 → False
+    time.sleep(0.5)
+    again = Sandbox.connect(s.sandbox_id)
+    assert again.files.read("/home/user/note.txt") == "kept"
+    v = counter(again)
+    assert v >= at_pause and v < at_pause + 15, (at_pause, v)  # continued, not restarted
+    rising(again, v)
+    assert again.get_info().state.value == "running"
+
+
+def test_hibernate_then_resume_from_disk(e2b_env: Server, sandboxes: list[object]) -> None:
+    s = Sandbox.create(template="base", timeout=120)
+    sandboxes.append(s)
+    start_counter(s)
+    assert s.pause()
+    # The server hibernates frozen sandboxes after AENV_HIBERNATE_AFTER=5 s.
+    deadline = time.time() + 30
+    while (sandbox_record(e2b_env.home, s.sandbox_id)["paused_state"] or {}).get("tier") != "hibernated":
+        assert time.time() < deadline, "the paused sandbox was never hibernated"
+        time.sleep(0.5)
+    assert sandbox_record(e2b_env.home, s.sandbox_id)["instance"] is None
+    again = Sandbox.connect(s.sandbox_id)
+    v = counter(again)
+    rising(again, v)
+    assert again.commands.run("echo alive").stdout == "alive\n"
+
+
+def test_pause_without_memory_keeps_files_only(e2b_env: Server, sandboxes: list[object]) -> None:
+    s = Sandbox.create(template="base", timeout=120)
+    sandboxes.append(s)
+    s.files.write("/home/user/disk.txt", "on disk")
+    s.commands.run("sleep 999", background=True)
+    with e2b_env.client() as c:
+        assert c.post(f"/sandboxes/{s.sandbox_id}/pause", json={"memory": False}).status_code == 204
+    again = Sandbox.connect(s.sandbox_id)
+    assert again.files.read("/home/user/disk.txt") == "on disk"
+    assert "sleep 999" not in again.commands.run("ps aux").stdout
+
+
+def test_proxy_on_paused_sandbox(e2b_env: Server, sandboxes: list[object]) -> None:
+    plain = Sandbox.create(template="base", timeout=120)
+    sandboxes.append(plain)
+    plain.pause()
+    hdr = {"E2b-Sandbox-Id": plain.sandbox_id, "E2b-Sandbox-Port": "49983"}
+    r = httpx.get(f"{e2b_env.url}/health", headers=hdr)
+    assert r.status_code == 410 and r.json()["code"] == 410
+    with e2b_env.client() as c:
+        resp = c.post(
+            "/v2/sandboxes",
+            json={"templateID": "base", "timeout": 120, "autoResume": {"enabled": True}},
+        )
+        assert resp.status_code == 201
+        sid = resp.json()["sandboxID"]
+        try:
+            assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
+            assert c.get(f"/sandboxes/{sid}").json()["lifecycle"]["autoResume"] is True
+            r = httpx.get(f"{e2b_env.url}/health", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"})
+            assert r.status_code == 204
+            assert c.get(f"/sandboxes/{sid}").json()["state"] == "running"
+        finally:
+            c.delete(f"/sandboxes/{sid}")
+
+
+def test_auto_pause_on_timeout(e2b_env: Server) -> None:
+    with e2b_env.client() as c:
+        sid = c.post("/sandboxes", json={"templateID": "base", "timeout": 2, "autoPause": True}).json()["sandboxID"]
+        try:
+            deadline = time.time() + 20
+            while c.get(f"/sandboxes/{sid}").json()["state"] != "paused":
+                assert time.time() < deadline, "never auto-paused"
+                time.sleep(0.5)
+            assert c.get(f"/sandboxes/{sid}").json()["lifecycle"]["onTimeout"] == "pause"
+            assert c.post(f"/sandboxes/{sid}/connect", json={"timeout": 60}).status_code == 201
+        finally:
+            c.delete(f"/sandboxes/{sid}")
+
+
+def test_snapshot_by_id_and_name(e2b_env: Server, sandboxes: list[object]) -> None:
+    s = Sandbox.create(template="base", timeout=120)
+    sandboxes.append(s)
+    start_counter(s)
+    s.files.write("/home/user/snap.txt", "in the snapshot")
+    name = f"snap-{s.sandbox_id}"
+    snap = s.create_snapshot(name=name)
+    assert snap.names == [name]
+    at_snap = counter(s)
+    rising(s, at_snap)  # the source keeps running
+    s.files.write("/home/user/after.txt", "not in the snapshot")
+    listed = [x.snapshot_id for x in Sandbox.list_snapshots(sandbox_id=s.sandbox_id).next_items()]
+    assert snap.snapshot_id in listed
+    for template in (snap.snapshot_id, name):
+        c = Sandbox.create(template=template, timeout=60)
+        sandboxes.append(c)
+        assert c.files.read("/home/user/snap.txt") == "in the snapshot"
+        assert not c.files.exists("/home/user/after.txt")
+        v = counter(c)
+        rising(c, v)
+        assert "counter.py" in c.commands.run("ps aux").stdout
+    assert Sandbox.delete_snapshot(snap.snapshot_id)
+    assert not Sandbox.delete_snapshot(snap.snapshot_id)
+
+
+def test_fork_children_continue_and_diverge(e2b_env: Server, sandboxes: list[object]) -> None:
+    p = Sandbox.create(template="base", timeout=120)
+    sandboxes.append(p)
+    start_counter(p)
+    p.files.write("/home/user/shared.txt", "from the parent")
+    at_fork = counter(p)
+    kids = p.fork(count=4)
+    assert len(kids) == 4
+    children = [k for k in kids if isinstance(k, Sandbox)]
+    sandboxes.extend(children)
+    assert len(children) == 4, kids
+    assert len({k.sandbox_id for k in children} | {p.sandbox_id}) == 5
+    for i, k in enumerate(children):
+        assert k.files.read("/home/user/shared.txt") == "from the parent"
+        v = counter(k)
+        assert v >= at_fork
+        rising(k, v)
+        k.files.write("/home/user/mine.txt", f"child {i}")
+    for i, k in enumerate(children):
+        assert k.files.read("/home/user/mine.txt") == f"child {i}"
+    assert not p.files.exists("/home/user/mine.txt")
+    rising(p, counter(p))  # the parent continues, same id
+    randoms = {k.commands.run("head -c 16 /dev/urandom | od -An -tx1").stdout for k in children}
+    assert len(randoms) == 4
+
+
+def test_fork_reports_partial_failure(e2b_env: Server) -> None:
+    # The test server's node budget is 12 GiB: 4 children of 4 GiB cannot all fit.
+    with e2b_env.client() as c:
+        big = c.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120, "memoryMB": 4096}).json()
+        try:
+            r = c.post(f"/sandboxes/{big['sandboxID']}/fork", json={"count": 4})
+            assert r.status_code == 201
+            body = r.json()
+            ok = [x["sandbox"]["sandboxID"] for x in body if "sandbox" in x]
+            errs = [x["error"] for x in body if "error" in x]
+            try:
+                assert len(body) == 4 and ok and errs, body
+                assert all("memory" in e["message"] for e in errs)
+            finally:
+                for sid in ok:
+                    c.delete(f"/sandboxes/{sid}")
+        finally:
+            c.delete(f"/sandboxes/{big['sandboxID']}")
+
+
+def test_restart_between_pause_and_resume(e2b_env: Server, sandboxes: list[object]) -> None:
+    frozen = Sandbox.create(template="base", timeout=300)
+    files_only = Sandbox.create(template="base", timeout=300)
+    sandboxes += [frozen, files_only]
+    start_counter(frozen)
+    files_only.files.write("/home/user/f.txt", "files only")
+    frozen.pause()
+    with e2b_env.client() as c:
+        c.post(f"/sandboxes/{files_only.sandbox_id}/pause", json={"memory": False})
+    name = f"restart-{frozen.sandbox_id}"
+    snap = Sandbox.create(template="base", timeout=120)
+    sandboxes.append(snap)
+    snap.files.write("/home/user/s.txt", "snap")
+    snap_info = snap.create_snapshot(name=name)
+    e2b_env.stop(signal.SIGKILL)
+    e2b_env.start()
+    assert Sandbox.get_info(frozen.sandbox_id).state.value == "paused"
+    f = Sandbox.connect(frozen.sandbox_id)
+    rising(f, counter(f))
+    assert Sandbox.connect(files_only.sandbox_id).files.read("/home/user/f.txt") == "files only"
+    c2 = Sandbox.create(template=name, timeout=60)
+    sandboxes.append(c2)
+    assert c2.files.read("/home/user/s.txt") == "snap"
+    Sandbox.delete_snapshot(snap_info.snapshot_id)
