@@ -168,6 +168,31 @@ def test_start_success_and_ordering(client: httpx.Client) -> None:
     assert "error" not in events[-1]["end"]
 
 
+def test_large_output_with_slow_reader(client: httpx.Client) -> None:
+    # ~24 MiB of output: more than the per-subscriber high-water mark, so reading
+    # pauses while the client is not consuming, and resumes without loss.
+    cmd = "head -c 18000000 /dev/zero | tr '\\0' 'a'; echo; echo tail"
+    with client.stream(
+        "POST", "/process.Process/Start", content=envelope(bash(cmd)), headers=STREAM
+    ) as resp:
+        ev = Stream(resp).events()
+        next(ev)
+        time.sleep(1.0)
+        total = 0
+        tail = b""
+        end = None
+        for m in ev:
+            e = m["event"]
+            if "data" in e:
+                chunk = base64.b64decode(e["data"]["stdout"])
+                total += len(chunk)
+                tail = (tail + chunk)[-16:]
+            elif "end" in e:
+                end = e["end"]
+    assert total == 18000000 + len("\ntail\n")
+    assert tail.endswith(b"a\ntail\n") and end is not None and end["exitCode"] == 0
+
+
 def test_env_cwd_and_defaults(client: httpx.Client, tmp_path: Path) -> None:
     events, _ = run(
         client,
@@ -406,6 +431,8 @@ def test_fs_ops(client: httpx.Client, tmp_path: Path) -> None:
 
     r = rpc(client, "filesystem.Filesystem/Remove", {"path": str(tmp_path / "a")})
     assert r.status_code == 200 and not (tmp_path / "a").exists()
+    r = rpc(client, "filesystem.Filesystem/Remove", {"path": str(tmp_path / "a")})
+    assert r.status_code == 200  # missing path: success, like envd's os.RemoveAll
 
 
 def test_fs_relative_paths_and_ownership(client: httpx.Client) -> None:
@@ -534,6 +561,8 @@ def test_files_upload_download(client: httpx.Client, tmp_path: Path) -> None:
     r = client.get("/files", params={"path": str(raw)}, headers={"accept-encoding": "gzip"})
     assert r.headers["content-encoding"] == "gzip" and r.content == blob
 
+    r = client.get("/files", params={"path": "/proc/self/status"})
+    assert r.status_code == 200 and b"Pid:" in r.content  # st_size 0, real content
     r = client.get("/files", params={"path": str(tmp_path / "nope")})
     assert r.status_code == 404 and r.json()["code"] == 404
     r = client.get("/files", params={"path": str(tmp_path)})
@@ -542,6 +571,25 @@ def test_files_upload_download(client: httpx.Client, tmp_path: Path) -> None:
     assert r.status_code == 400
     r = client.get("/files", params={"path": str(p), "username": "ghost"})
     assert r.status_code == 401
+
+
+def test_files_no_space_is_507(client: httpx.Client, tmp_path: Path) -> None:
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("cannot mount a tmpfs")
+    try:
+        r = client.post(
+            "/files",
+            params={"path": str(mnt / "big.bin")},
+            content=b"x" * (1024 * 1024),
+            headers={"content-type": "application/octet-stream"},
+        )
+        assert r.status_code == 507 and r.json()["code"] == 507
+    finally:
+        subprocess.run(["umount", str(mnt)])
 
 
 def test_files_owned_by_user(client: httpx.Client, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ points the SDK's data plane straight at envd, whose token is set via /init.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -142,6 +143,27 @@ def test_background_stdin_list_kill(sbx: Any) -> None:
     assert ei.value.exit_code == -1
     assert "ping\n" in ei.value.stdout
     assert sbx.commands.kill(h.pid) is False
+
+
+def test_default_user_and_stream_input(sbx: Any) -> None:
+    assert sbx.commands.run("whoami").stdout == "root\n"  # no `user` account here
+    h = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.stream_input(h.pid, ["str-", b"bytes", "\n"])
+    sbx.commands.close_stdin(h.pid)
+    assert h.wait().stdout == "str-bytes\n"
+
+
+async def test_async_watch_dir(sbx: Any, tmp_path: Path) -> None:
+    asbx = await e2b.AsyncSandbox.create()
+    events: list[Any] = []
+    handle = await asbx.files.watch_dir(str(tmp_path), events.append, user="root")
+    (tmp_path / "async.txt").write_text("1")
+    for _ in range(100):
+        if any(e.name == "async.txt" for e in events):
+            break
+        await asyncio.sleep(0.05)
+    await handle.stop()
+    assert ("async.txt", "CREATE") in {(e.name, e.type.name) for e in events}
 
 
 def test_connect_to_running_command(sbx: Any) -> None:

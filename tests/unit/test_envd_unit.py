@@ -55,22 +55,21 @@ def test_resolve_path() -> None:
 
 
 def test_state_env_and_launcher_vars() -> None:
-    import sys
-
     st = state.State.from_environ(
         {
             "PATH": "/opt/bin:/usr/bin",
             "LANG": "C.UTF-8",
             "AENV_ENVD_ACCESS_TOKEN": "secret",
             "AENV_ENVD_DEFAULT_USER": "root",
-            "PYTHONHOME": sys.base_prefix if sys.base_prefix != "/usr" else "/x",
+            "PYTHONHOME": "/opt/aenv",
+            "PYTHONPATH": "/opt/aenv/app",
+            "PYTHONUNBUFFERED": "1",
+            "LD_LIBRARY_PATH": "/usr/lib/cuda",
             "HOME": "/root",
         }
     )
     assert st.access_token == "secret" and st.default_user == "root"
-    assert "AENV_ENVD_ACCESS_TOKEN" not in st.base_env
-    if sys.base_prefix not in ("/usr", "/usr/local"):
-        assert "PYTHONHOME" not in st.base_env
+    assert set(st.base_env) == {"PATH", "LANG", "LD_LIBRARY_PATH", "HOME"}
     st.env_vars = {"A": "1", "LANG": "en"}
     u = state.User("u", 5, 5, "/home/u", "")
     env = st.process_env(u, {"A": "2"})
@@ -84,6 +83,11 @@ def test_state_env_and_launcher_vars() -> None:
     assert state.State().process_env(u, {})["PATH"] == state.DEFAULT_PATH
 
 
+def test_launcher_env_matches_bundle() -> None:
+    bundle = pytest.importorskip("aenv.runtime.bundle")
+    assert set(state.LAUNCHER_ENV) == set(bundle.ENVD_ONLY_ENV)
+
+
 def test_perm_string() -> None:
     assert go_perm_string(stat.S_IFREG | 0o644) == "-rw-r--r--"
     assert go_perm_string(stat.S_IFDIR | 0o755) == "drwxr-xr-x"
@@ -94,7 +98,9 @@ def test_perm_string() -> None:
 def test_timestamp_and_parse() -> None:
     assert rpc.timestamp(0) == "1970-01-01T00:00:00Z"
     assert rpc.timestamp(1700000000, 5_000_000) == "2023-11-14T22:13:20.005Z"
-    assert rpc.timestamp(1.5) == "1970-01-01T00:00:01.5Z"
+    assert rpc.timestamp(1.5) == "1970-01-01T00:00:01.500Z"
+    assert rpc.timestamp(1, 123400) == "1970-01-01T00:00:01.000123400Z"
+    assert rpc.timestamp(1, 120000) == "1970-01-01T00:00:01.000120Z"
     assert _parse_ts("2023-11-14T22:13:20.005123456Z") == pytest.approx(1700000000.005123)
     assert _parse_ts("garbage") is None and _parse_ts(None) is None and _parse_ts(12) == 12.0
 

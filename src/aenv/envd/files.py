@@ -114,7 +114,8 @@ async def download(req: Request, resp: Response, user: User) -> None:
             await resp.write(comp.flush())
             await resp.end()
             return
-        size = info.st_size if st.S_ISREG(info.st_mode) else None
+        # A size of 0 may be a lie (/proc, /sys files): stream those chunked to EOF.
+        size = info.st_size if st.S_ISREG(info.st_mode) and info.st_size > 0 else None
         await resp.start(200, headers, length=size)
         sent = 0
         while size is None or sent < size:

@@ -302,16 +302,14 @@ class Filesystem:
         if not st.S_ISDIR(lst.st_mode):
             raise RPCError("invalid_argument", f"path '{path}' is not a directory")
         entries: list[Msg] = []
-        self._walk(path, depth, entries)
-        return {"entries": entries}
-
-    def _walk(self, path: str, depth: int, out: list[Msg]) -> None:
         try:
             names = sorted(os.listdir(path))
         except OSError as e:
-            if path == "":
-                raise os_error(e, path) from None
-            return
+            raise os_error(e, path) from None
+        self._walk(path, names, depth, entries)
+        return {"entries": entries}
+
+    def _walk(self, path: str, names: list[str], depth: int, out: list[Msg]) -> None:
         for name in names:
             child = os.path.join(path, name)
             try:
@@ -320,7 +318,11 @@ class Filesystem:
                 continue
             out.append(info)
             if depth > 1 and info["type"] == "FILE_TYPE_DIRECTORY" and not info.get("isSymlink"):
-                self._walk(child, depth - 1, out)
+                try:
+                    sub = sorted(os.listdir(child))
+                except OSError:  # unreadable subdirectory: listed, not descended
+                    continue
+                self._walk(child, sub, depth - 1, out)
 
     def remove(self, ctx: Ctx, msg: Msg) -> Msg:
         path = self._path(ctx, msg)
@@ -330,7 +332,7 @@ class Filesystem:
             else:
                 os.unlink(path)
         except FileNotFoundError:
-            raise RPCError("not_found", f"path '{path}' not found") from None
+            pass  # like envd (os.RemoveAll): removing a missing path succeeds
         except OSError as e:
             raise os_error(e, path) from None
         self.meta.forget(path)

@@ -101,6 +101,7 @@ class Proc:
         self.finished = asyncio.Event()
         self.eof = asyncio.Event()
         self.writers: dict[int, _FdWriter] = {}
+        self._finish_task: asyncio.Future[None] | None = None
 
     # -- output ---------------------------------------------------------------
 
@@ -186,7 +187,7 @@ class Proc:
         self.status = status
         if self.popen is not None:  # so subprocess never waits for it again
             self.popen.returncode = os.waitstatus_to_exitcode(status)
-        asyncio.ensure_future(self._finish())
+        self._finish_task = asyncio.ensure_future(self._finish())  # keep a reference
 
     async def _finish(self) -> None:
         if not self.eof.is_set() and not self.paused:
@@ -227,12 +228,10 @@ class Proc:
     def signal(self, sig: int) -> None:
         if self.status is not None:
             return
-        try:
+        # the whole process group (setsid made it pid), then the process itself
+        # in case it moved to another group
+        with contextlib.suppress(OSError):
             os.killpg(self.pid, sig)
-        except ProcessLookupError:
-            pass
-        except OSError:
-            pass
         with contextlib.suppress(OSError):
             os.kill(self.pid, sig)
 

@@ -126,9 +126,13 @@ def timestamp(seconds: float, nanos: int | None = None) -> str:
         whole, frac = whole + 1, frac - 1_000_000_000
     t = time.gmtime(whole)
     base = time.strftime("%Y-%m-%dT%H:%M:%S", t)
-    if frac:
-        return f"{base}.{frac:09d}".rstrip("0") + "Z"
-    return base + "Z"
+    if not frac:
+        return base + "Z"
+    digits = f"{frac:09d}"  # proto3 JSON: 3, 6 or 9 fractional digits
+    for n in (3, 6):
+        if digits[n:] == "0" * (9 - n):
+            return f"{base}.{digits[:n]}Z"
+    return f"{base}.{digits}Z"
 
 
 # ---- envelopes --------------------------------------------------------------
@@ -244,7 +248,7 @@ def parse_timeout(req: Request) -> float | None:
         ms = int(v)
     except ValueError:
         raise RPCError("invalid_argument", "bad Connect-Timeout-Ms") from None
-    return max(0, ms) / 1000.0
+    return ms / 1000.0 if ms > 0 else None  # 0 means no deadline (as envd)
 
 
 async def send_unary_error(resp: Response, err: RPCError) -> None:

@@ -33,7 +33,7 @@ def _basic_user(req: Request) -> str | None:
     try:
         decoded = base64.b64decode(cred.strip() + "=" * (-len(cred.strip()) % 4)).decode("utf-8")
     except (binascii.Error, UnicodeDecodeError, ValueError):
-        return ""
+        return "\0invalid"  # matches no user: rejected as unauthenticated
     return decoded.partition(":")[0]
 
 
@@ -105,8 +105,9 @@ class App:
     # -- auth -----------------------------------------------------------------
 
     def resolve_user(self, name: str | None) -> User | None:
-        if name is None or name == "":
-            return self.state.default_user_obj() if name is None else None
+        """The named user (None if unknown); the default user when no name is given."""
+        if not name:
+            return self.state.default_user_obj()
         return self.state.users.get(name)
 
     def rpc_auth(self, req: Request) -> User:

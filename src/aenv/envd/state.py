@@ -120,12 +120,25 @@ class Users:
         return self._gid_names.get(gid, str(gid))
 
 
+# Set by the runtime bundle's launcher for envd's own interpreter only (kept equal to
+# aenv.runtime.bundle.ENVD_ONLY_ENV, checked by a unit test). The image's environment
+# reaches processes through /init envVars, so these are dropped unconditionally.
+LAUNCHER_ENV = (
+    "PYTHONHOME",
+    "PYTHONPATH",
+    "PYTHONDONTWRITEBYTECODE",
+    "PYTHONNOUSERSITE",
+    "PYTHONUTF8",
+    "PYTHONCOERCECLOCALE",
+    "PYTHONUNBUFFERED",
+)
+
+
 def _strip_launcher_env(env: dict[str, str]) -> dict[str, str]:
     """The environment processes inherit: envd's own minus its launcher's vars.
 
-    Removed: ``AENV_*`` (envd configuration) and ``PYTHONHOME`` /
-    ``PYTHONPATH`` / ``LD_LIBRARY_PATH`` when they point into envd's own
-    runtime bundle (they would break the image's own programs).
+    Removed: ``AENV_*`` (envd configuration), ``LAUNCHER_ENV`` and
+    ``LD_LIBRARY_PATH`` when it points into envd's own runtime bundle.
     """
     bundle_roots = {
         p for p in (sys.prefix, sys.base_prefix) if p not in ("/usr", "/usr/local", "/")
@@ -133,9 +146,9 @@ def _strip_launcher_env(env: dict[str, str]) -> dict[str, str]:
     bundle_roots.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = {}
     for k, v in env.items():
-        if k.startswith("AENV_"):
+        if k.startswith("AENV_") or k in LAUNCHER_ENV:
             continue
-        if k in ("PYTHONHOME", "PYTHONPATH", "LD_LIBRARY_PATH") and any(
+        if k == "LD_LIBRARY_PATH" and any(
             part == root or part.startswith(root + "/")
             for part in v.split(":")
             for root in bundle_roots
@@ -186,7 +199,7 @@ class State:
     def workdir(self, user: User, cwd: str | None) -> str:
         if cwd:
             return resolve_path(cwd, user)
-        if self.default_workdir:
+        if self.default_workdir and os.path.isdir(self.default_workdir):
             return self.default_workdir
         return user.home if os.path.isdir(user.home) else "/"
 
