@@ -196,7 +196,13 @@ class Orchestrator(OrchestratorCore):
 
     # ------------------------------------------------------------------ snapshots
     async def snapshot(
-        self, sandbox_id: str, name: str | None = None, timings: Timings | None = None
+        self,
+        sandbox_id: str,
+        name: str | None = None,
+        timings: Timings | None = None,
+        *,
+        template_id: str | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> tuple[str, builtins.list[str]]:
         """Makes a template of the sandbox's files, memory and processes; it keeps running."""
         t = timings or Timings()
@@ -207,14 +213,23 @@ class Orchestrator(OrchestratorCore):
                 raise Conflict(f"a template or snapshot named {name!r} already exists")
         async with self._lock(sandbox_id):
             r = self.get(sandbox_id)
-            snap_id = await self._snapshot_locked(r, t, names=[name] if name else [])
+            snap_id = await self._snapshot_locked(
+                r, t, names=[name] if name else [], snap_id=template_id, extra=extra
+            )
         record_timings(r, t)
         return snap_id, [name] if name else []
 
     async def _snapshot_locked(
-        self, r: SandboxRecord, t: Timings, *, names: builtins.list[str], internal: bool = False
+        self,
+        r: SandboxRecord,
+        t: Timings,
+        *,
+        names: builtins.list[str],
+        internal: bool = False,
+        snap_id: str | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> str:
-        snap_id = new_id("s")
+        snap_id = snap_id or new_id("s")
         image = await asyncio.to_thread(self.storage.fresh_image_dir, snap_id)
         tier = (r.paused_state or {}).get("tier") if r.state is State.PAUSED else None
         if r.state is State.RUNNING or tier == "frozen":
@@ -251,7 +266,9 @@ class Orchestrator(OrchestratorCore):
             "cpu_count": r.cpu_count,
             "memory_mb": r.memory_mb,
             "created_at": utcnow().isoformat(),
+            **(extra or {}),
         }
+        await asyncio.to_thread(self.storage.hold, "template", snap_id, list(r.layers))
         await asyncio.to_thread(self.catalog.put_template, snap_id, doc, names)
         await self._save(r)
         return snap_id
@@ -266,6 +283,7 @@ class Orchestrator(OrchestratorCore):
                 self.storage.seal, Path(r.upper), r.sandbox_id
             )
             r.layers = [digest, *r.layers]
+            await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, [digest])
             r.upper = str(await asyncio.to_thread(self.storage.new_upper, r.sandbox_id))
         if image is not None:
             try:
@@ -276,6 +294,23 @@ class Orchestrator(OrchestratorCore):
                 await self._save(r)
                 raise
 
+    async def export_layers(self, sandbox_id: str) -> builtins.list[str]:
+        """Ends the sandbox and returns its files as a layer stack (topmost first): the
+        upper is sealed into a new layer on top of the ones it ran on. Template builds
+        commit each step this way."""
+        self.get(sandbox_id)
+        async with self._lock(sandbox_id):
+            r = self.get(sandbox_id)
+            if r.instance:
+                await self.runtime.destroy(Instance.from_json(r.instance))
+                r.instance = None
+            assert r.upper is not None
+            digest = await asyncio.to_thread(self.storage.seal, Path(r.upper), r.sandbox_id)
+            layers = [digest, *r.layers]
+            r.upper = None
+        await self.kill(sandbox_id)
+        return layers
+
     async def delete_template(self, template_id: str) -> None:
         found = await asyncio.to_thread(self.catalog.template, template_id)
         if found is None:
@@ -284,6 +319,7 @@ class Orchestrator(OrchestratorCore):
         if tid == "base":
             raise BadRequest("the default template 'base' cannot be deleted")
         await asyncio.to_thread(self.catalog.delete_template, tid)
+        await asyncio.to_thread(self.storage.release, "template", tid)
         if doc.get("checkpoint"):
             await asyncio.to_thread(self.storage.remove_image, str(doc["checkpoint"]))
 

@@ -123,6 +123,8 @@ class OrchestratorCore:
                 log.warning("sandbox %s lost across the restart", r.sandbox_id)
             self._records[r.sandbox_id] = r
             await self.catalog.aput_sandbox(r)
+        for tid, doc, _names in await asyncio.to_thread(self.catalog.templates):
+            await asyncio.to_thread(self.storage.hold, "template", tid, list(doc.get("layers") or []))
         self._loop_task = asyncio.create_task(self._timer_loop(), name="aenv-timers")
 
     async def close(self) -> None:
@@ -353,6 +355,7 @@ class OrchestratorCore:
         )
         self._records[r.sandbox_id] = r
         try:
+            await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, r.layers)
             if doc.get("checkpoint"):
                 await self._boot(
                     r,
@@ -364,7 +367,7 @@ class OrchestratorCore:
                 await self._boot(r, t)
         except BaseException:
             self._records.pop(r.sandbox_id, None)
-            await asyncio.to_thread(self.storage.remove_sandbox, r.sandbox_id)
+            await self._forget(r)
             raise
         r.state = State.RUNNING
         # The clock starts at readiness, so a slow boot doesn't eat the user's timeout.
@@ -394,6 +397,7 @@ class OrchestratorCore:
     async def _forget(self, r: SandboxRecord) -> None:
         """Drops what a killed sandbox left on disk (its uppers, a hibernation image)."""
         await asyncio.to_thread(self.storage.remove_sandbox, r.sandbox_id)
+        await asyncio.to_thread(self.storage.release, "sandbox", r.sandbox_id)
         if r.paused_state and r.paused_state.get("image"):
             await asyncio.to_thread(self.storage.remove_image, str(r.paused_state["image"]))
 

@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from ..config import Settings
+from ..images.cache import LayerCache, holder
 from ..images.layers import LayerStore
 
 
@@ -25,6 +26,8 @@ class SandboxStorage:
     def __init__(self, settings: Settings, layers: LayerStore) -> None:
         self.settings = settings
         self.layers = layers
+        # Who holds which layer (sandboxes, templates): held layers are never evicted.
+        self.refs = LayerCache(layers)
         settings.rw_dir.mkdir(parents=True, exist_ok=True)
         settings.images_dir.mkdir(parents=True, exist_ok=True)
 
@@ -78,3 +81,9 @@ class SandboxStorage:
         for f in s.iterdir():
             os.link(f, d / f.name)
         return d
+
+    def hold(self, kind: str, ident: str, digests: list[str]) -> None:
+        self.refs.ref_many(digests, holder(kind, ident))
+
+    def release(self, kind: str, ident: str) -> None:
+        self.refs.release(holder(kind, ident))
