@@ -9,8 +9,10 @@ import uvicorn
 
 from .config import Settings
 from .orchestrator.catalog import Catalog
+from .orchestrator.durable import Durable
 from .orchestrator.lifecycle import Orchestrator
 from .orchestrator.storage import SandboxStorage
+from .snapshots import SnapshotStore, open_repository
 
 log = logging.getLogger("aenv.server")
 
@@ -26,7 +28,9 @@ def build_orchestrator(settings: Settings) -> Orchestrator:
     bundle = ensure_bundle(settings)
     runtime = GVisorRuntime(settings)
     storage = SandboxStorage(settings, layers)
-    return Orchestrator(settings, catalog, runtime, storage=storage, bundle=bundle)
+    repo = open_repository(settings)
+    durable = Durable(SnapshotStore(settings, repo, layers), catalog, storage)
+    return Orchestrator(settings, catalog, runtime, storage=storage, bundle=bundle, durable=durable)
 
 
 def serve(settings: Settings) -> None:

@@ -1,9 +1,15 @@
-"""The node's client for envd's plain-HTTP endpoints (/health, /init)."""
+"""The node's client for envd: /health, /init, and (`EnvdClient.rpc`) processes and files."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
+import struct
 import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -17,6 +23,10 @@ class EnvdClient:
 
     async def close(self) -> None:
         await self._http.aclose()
+
+    def rpc(self, host: str, port: int, token: str) -> EnvdRpc:
+        """Process/filesystem calls to the envd at `host:port` (sharing this client's pool)."""
+        return EnvdRpc(self._http, host, port, token)
 
     async def wait_ready(self, host: str, port: int, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
@@ -55,3 +65,225 @@ class EnvdClient:
         resp = await self._http.post(f"http://{host}:{port}/init", json=body, headers=headers)
         if resp.status_code >= 300:
             raise RuntimeFailure(f"envd /init failed: {resp.status_code} {resp.text[:200]}")
+
+
+# --------------------------------------------------------------------------------------------
+# Connect-RPC calls into a sandbox (process.Process/Start, filesystem MakeDir, /files upload),
+# for work the node itself does inside sandboxes (template builds, image entrypoints).
+# JSON codec; server streams are envelopes: a flag byte, a 4-byte big-endian length, JSON.
+
+_ENVELOPE = struct.Struct(">BI")
+_END_STREAM = 0x02
+
+
+@dataclass
+class ProcessEvent:
+    """One event of a process stream: `start` (pid), `data` (stdout/stderr bytes), `end`."""
+
+    kind: str  # "start" | "stdout" | "stderr" | "end"
+    pid: int = 0
+    data: bytes = b""
+    exit_code: int | None = None
+    status: str = ""
+    error: str = ""
+
+
+def _envelope(message: dict[str, Any]) -> bytes:
+    payload = json.dumps(message, separators=(",", ":")).encode()
+    return _ENVELOPE.pack(0, len(payload)) + payload
+
+
+def _rpc_headers(token: str, user: str | None) -> dict[str, str]:
+    headers = {"Connect-Protocol-Version": "1"}
+    if token:
+        headers["X-Access-Token"] = token
+    if user:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:".encode()).decode()
+    return headers
+
+
+def _parse_event(obj: dict[str, Any]) -> ProcessEvent | None:
+    ev = obj.get("event") or {}
+    if "start" in ev:
+        return ProcessEvent("start", pid=int((ev["start"] or {}).get("pid") or 0))
+    if "data" in ev:
+        data = ev["data"] or {}
+        for kind in ("stdout", "stderr", "pty"):
+            if data.get(kind):
+                raw = str(data[kind])
+                return ProcessEvent(
+                    "stderr" if kind == "stderr" else "stdout",
+                    data=base64.b64decode(raw + "=" * (-len(raw) % 4)),
+                )
+        return None
+    if "end" in ev:
+        end = ev["end"] or {}
+        code = end.get("exitCode", end.get("exit_code"))
+        return ProcessEvent(
+            "end",
+            exit_code=int(code) if code is not None else None,
+            status=str(end.get("status") or ""),
+            error=str(end.get("error") or ""),
+        )
+    return None
+
+
+class SandboxProcessError(RuntimeFailure):
+    """envd refused or broke off a process call (not: the process failed)."""
+
+
+class EnvdRpc:
+    """Process and filesystem calls to one sandbox's envd (`host:port` on the node)."""
+
+    def __init__(self, http: httpx.AsyncClient, host: str, port: int, token: str) -> None:
+        self._http = http
+        self.base = f"http://{host}:{port}"
+        self.token = token
+
+    async def process(
+        self,
+        cmd: str,
+        args: list[str],
+        *,
+        user: str | None = None,
+        envs: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[ProcessEvent]:
+        """Starts a process and yields its events until `end`. Leaving the iteration early
+        (or cancelling the consumer) only disconnects: the process keeps running."""
+        proc: dict[str, Any] = {"cmd": cmd, "args": list(args), "envs": dict(envs or {})}
+        if cwd:
+            proc["cwd"] = cwd
+        headers = {
+            **_rpc_headers(self.token, user),
+            "Content-Type": "application/connect+json",
+        }
+        if timeout:
+            headers["Connect-Timeout-Ms"] = str(int(timeout * 1000))
+        body = _envelope({"process": proc, "stdin": False})
+        buf = bytearray()
+        try:
+            async with self._http.stream(
+                "POST",
+                f"{self.base}/process.Process/Start",
+                content=body,
+                headers=headers,
+                timeout=httpx.Timeout(10.0, read=None),
+            ) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    raise SandboxProcessError(_rpc_error_text(resp))
+                async for chunk in resp.aiter_bytes():
+                    buf += chunk
+                    while len(buf) >= _ENVELOPE.size:
+                        flags, length = _ENVELOPE.unpack_from(buf)
+                        if len(buf) < _ENVELOPE.size + length:
+                            break
+                        payload = bytes(buf[_ENVELOPE.size : _ENVELOPE.size + length])
+                        del buf[: _ENVELOPE.size + length]
+                        obj = json.loads(payload) if payload else {}
+                        if flags & _END_STREAM:
+                            err = obj.get("error") if isinstance(obj, dict) else None
+                            if err:
+                                raise SandboxProcessError(
+                                    f"{err.get('message') or err.get('code')}"
+                                )
+                            return
+                        event = _parse_event(obj) if isinstance(obj, dict) else None
+                        if event is not None:
+                            yield event
+        except httpx.HTTPError as e:
+            raise SandboxProcessError(f"envd process stream failed: {e}") from e
+
+    async def run(
+        self,
+        cmd: str,
+        args: list[str],
+        *,
+        user: str | None = None,
+        envs: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        on_output: Callable[[str, bytes], None] | None = None,
+    ) -> ProcessEvent:
+        """Runs a process to its end; returns the `end` event (exit code, status)."""
+        async for ev in self.process(cmd, args, user=user, envs=envs, cwd=cwd, timeout=timeout):
+            if ev.kind in ("stdout", "stderr") and on_output is not None:
+                on_output(ev.kind, ev.data)
+            elif ev.kind == "end":
+                return ev
+        raise SandboxProcessError(f"the process stream of {cmd} ended without an end event")
+
+    async def make_dir(self, path: str, *, user: str | None = None) -> bool:
+        """mkdir -p (new directories belong to `user`); False when it existed."""
+        resp = await self._unary("filesystem.Filesystem/MakeDir", {"path": path}, user)
+        if resp.status_code == 200:
+            return True
+        if _connect_code(resp) == "already_exists":
+            return False
+        raise SandboxProcessError(f"making directory {path}: {_rpc_error_text(resp)}")
+
+    async def upload(
+        self, path: str, content: AsyncIterator[bytes] | bytes, *, user: str = "root"
+    ) -> None:
+        """Writes a file (parents created) through envd's `/files` (raw body)."""
+        try:
+            resp = await self._http.post(
+                f"{self.base}/files",
+                params={"path": path, "username": user},
+                content=content,
+                headers={
+                    **({"X-Access-Token": self.token} if self.token else {}),
+                    "Content-Type": "application/octet-stream",
+                },
+                timeout=httpx.Timeout(60.0, read=600.0),
+            )
+        except httpx.HTTPError as e:
+            raise SandboxProcessError(f"uploading {path} into the sandbox failed: {e}") from e
+        if resp.status_code >= 300:
+            raise SandboxProcessError(f"uploading {path}: {_rpc_error_text(resp)}")
+
+    async def read_file(self, path: str, *, user: str = "root") -> bytes | None:
+        """A file's content through `/files`; None when it does not exist."""
+        try:
+            resp = await self._http.get(
+                f"{self.base}/files",
+                params={"path": path, "username": user},
+                headers={"X-Access-Token": self.token} if self.token else {},
+            )
+        except httpx.HTTPError as e:
+            raise SandboxProcessError(f"reading {path} in the sandbox failed: {e}") from e
+        if resp.status_code == 404:
+            return None
+        if resp.status_code >= 300:
+            raise SandboxProcessError(f"reading {path}: {_rpc_error_text(resp)}")
+        return resp.content
+
+    async def _unary(self, method: str, message: dict[str, Any], user: str | None) -> httpx.Response:
+        try:
+            return await self._http.post(
+                f"{self.base}/{method}",
+                content=json.dumps(message).encode(),
+                headers={**_rpc_headers(self.token, user), "Content-Type": "application/json"},
+            )
+        except httpx.HTTPError as e:
+            raise SandboxProcessError(f"envd {method} failed: {e}") from e
+
+
+def _connect_code(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return ""
+    return str(body.get("code") or "") if isinstance(body, dict) else ""
+
+
+def _rpc_error_text(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and body.get("message"):
+        return f"{body['message']} ({resp.status_code})"
+    return f"{resp.status_code} {resp.text[:200]}".strip()

@@ -268,8 +268,7 @@ class Orchestrator(OrchestratorCore):
             "created_at": utcnow().isoformat(),
             **(extra or {}),
         }
-        await asyncio.to_thread(self.storage.hold, "template", snap_id, list(r.layers))
-        await asyncio.to_thread(self.catalog.put_template, snap_id, doc, names)
+        await self.register_template(snap_id, doc, names)
         await self._save(r)
         return snap_id
 
@@ -322,6 +321,8 @@ class Orchestrator(OrchestratorCore):
         await asyncio.to_thread(self.storage.release, "template", tid)
         if doc.get("checkpoint"):
             await asyncio.to_thread(self.storage.remove_image, str(doc["checkpoint"]))
+        if self.durable is not None and not doc.get("internal"):
+            await self.durable.forget(tid)
 
     def snapshots(self, sandbox_id: str | None = None, name: str | None = None) -> builtins.list[tuple[str, dict[str, Any], builtins.list[str]]]:
         out = []

@@ -31,6 +31,7 @@ from ..errors import (
 )
 from ..runtime.base import Instance, Mount, Runtime, SandboxSpec
 from .catalog import Catalog
+from .durable import Durable
 from .envd_client import EnvdClient
 from .models import CreateRequest, SandboxRecord, State, utcnow
 from .storage import SandboxStorage
@@ -79,6 +80,7 @@ class OrchestratorCore:
         *,
         storage: SandboxStorage,
         bundle: Any,
+        durable: Durable | None = None,
     ) -> None:
         self.settings = settings
         self.catalog = catalog
@@ -86,6 +88,7 @@ class OrchestratorCore:
         self.storage = storage
         # The envd runtime bundle (runtime.bundle.EnvdBundle), mounted into every sandbox.
         self._bundle = bundle
+        self.durable = durable
         self.envd = EnvdClient()
         self._records: dict[str, SandboxRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -123,6 +126,8 @@ class OrchestratorCore:
                 log.warning("sandbox %s lost across the restart", r.sandbox_id)
             self._records[r.sandbox_id] = r
             await self.catalog.aput_sandbox(r)
+        if self.durable is not None:
+            await self.durable.start()
         for tid, doc, _names in await asyncio.to_thread(self.catalog.templates):
             await asyncio.to_thread(self.storage.hold, "template", tid, list(doc.get("layers") or []))
         self._loop_task = asyncio.create_task(self._timer_loop(), name="aenv-timers")
@@ -135,6 +140,8 @@ class OrchestratorCore:
         await self._on_shutdown()
         if self._bg:
             await asyncio.gather(*self._bg, return_exceptions=True)
+        if self.durable is not None:
+            await self.durable.close()
         await self.runtime.close()
         await self.envd.close()
 
@@ -332,6 +339,16 @@ class OrchestratorCore:
             boot={k: doc.get(k) for k in ("env", "user", "workdir")},
         )
 
+    async def register_template(
+        self, template_id: str, doc: dict[str, Any], names: builtins.list[str]
+    ) -> None:
+        """Adds (or replaces) a template: catalog entry, layer references, and its durable
+        copy in the repository (published in the background)."""
+        await asyncio.to_thread(self.storage.hold, "template", template_id, list(doc["layers"]))
+        await asyncio.to_thread(self.catalog.put_template, template_id, doc, names)
+        if self.durable is not None and not doc.get("internal"):
+            self.durable.publish_later(template_id, doc, names)
+
     def _check_timeout(self, timeout: int) -> None:
         if timeout < 0 or timeout > self.settings.max_timeout:
             raise BadRequest(f"timeout must be between 0 and {self.settings.max_timeout} seconds")
@@ -356,13 +373,16 @@ class OrchestratorCore:
         self._records[r.sandbox_id] = r
         try:
             await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, r.layers)
+            if self.durable is not None:
+                with t.stage("fetch"):
+                    await self.durable.ensure_layers(template_id, doc)
             if doc.get("checkpoint"):
-                await self._boot(
-                    r,
-                    t,
-                    image=self.storage.image_dir(str(doc["checkpoint"])),
-                    init_from=doc.get("envd_token") or None,
-                )
+                if self.durable is not None:
+                    with t.stage("fetch"):
+                        image = await self.durable.image_for(template_id, doc)
+                else:
+                    image = self.storage.image_dir(str(doc["checkpoint"]))
+                await self._boot(r, t, image=image, init_from=doc.get("envd_token") or None)
             else:
                 await self._boot(r, t)
         except BaseException:

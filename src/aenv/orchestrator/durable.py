@@ -1,0 +1,142 @@
+"""Snapshots and templates in the durable repository (local directory or S3).
+
+The node works from local files (layers in the layer store, checkpoint images under
+$AENV_HOME/images); every snapshot/template is also published to the repository in the
+background, checksummed. When a template's image or layers are missing locally (evicted,
+or another node made it) they are fetched and verified before anything is restored, so a
+corrupt or missing artifact is a clear error and never a half-restored sandbox. At start-up
+the catalog learns every template the repository holds that it does not know yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..snapshots import LayerRef, Manifest, SnapshotStore, Spec
+from ..snapshots.errors import ArtifactError, SnapshotNotFound
+from .catalog import Catalog
+from .storage import SandboxStorage
+
+log = logging.getLogger("aenv.durable")
+
+
+class Durable:
+    def __init__(self, store: SnapshotStore, catalog: Catalog, storage: SandboxStorage) -> None:
+        self.store = store
+        self.catalog = catalog
+        self.storage = storage
+        self._publishing: dict[str, asyncio.Task[None]] = {}
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.store.clean_staging)
+        try:
+            manifests = await self.store.list()
+        except Exception as e:
+            log.warning("the snapshot repository could not be listed: %s", e)
+            return
+        for m in manifests:
+            if m.kind not in ("snapshot", "template"):
+                continue
+            if await asyncio.to_thread(self.catalog.template, m.id) is not None:
+                continue
+            doc = dict((m.spec.model_extra or {}).get("doc") or {})
+            if not doc:
+                continue
+            doc["published"] = True
+            await asyncio.to_thread(self.catalog.put_template, m.id, doc, m.names)
+            await asyncio.to_thread(self.storage.hold, "template", m.id, m.layer_digests)
+            log.info("template %s registered from the repository", m.id)
+
+    async def close(self) -> None:
+        if self._publishing:
+            await asyncio.gather(*self._publishing.values(), return_exceptions=True)
+
+    def publish_later(self, template_id: str, doc: dict[str, Any], names: list[str]) -> None:
+        task = asyncio.create_task(self._publish(template_id, doc, names))
+        self._publishing[template_id] = task
+        task.add_done_callback(lambda _t: self._publishing.pop(template_id, None))
+
+    async def wait_published(self, template_id: str) -> None:
+        task = self._publishing.get(template_id)
+        if task is not None:
+            await asyncio.shield(task)
+
+    async def _publish(self, template_id: str, doc: dict[str, Any], names: list[str]) -> None:
+        try:
+            image = None
+            if doc.get("checkpoint"):
+                image = self.storage.image_dir(str(doc["checkpoint"]))
+            manifest = Manifest(
+                id=template_id,
+                kind="snapshot" if doc.get("kind") == "snapshot" else "template",
+                parent=doc.get("parent"),
+                layers=[LayerRef(digest=d) for d in doc["layers"]],
+                spec=Spec.model_validate(
+                    {
+                        "cpu_count": doc.get("cpu_count"),
+                        "memory_mb": doc.get("memory_mb"),
+                        "env": dict(doc.get("env") or {}),
+                        "workdir": doc.get("workdir"),
+                        "user": doc.get("user"),
+                        # The whole template document, so another node can register it.
+                        "doc": {k: v for k, v in doc.items() if k != "published"},
+                    }
+                ),
+                names=names,
+            )
+            await self.store.publish(manifest, checkpoint_dir=image)
+            found = await asyncio.to_thread(self.catalog.template, template_id)
+            if found is not None:
+                _tid, current, current_names = found
+                current["published"] = True
+                await asyncio.to_thread(self.catalog.put_template, template_id, current, current_names)
+            log.info("template %s published to the repository", template_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("publishing template %s failed", template_id)
+
+    async def image_for(self, template_id: str, doc: dict[str, Any]) -> Path:
+        """The local directory of a template's checkpoint image, fetched if needed."""
+        local = self.storage.image_dir(str(doc["checkpoint"]))
+        if (local / "checkpoint.img").is_file():
+            return local
+        await self.wait_published(template_id)
+        try:
+            _m, path = await self.store.fetch(template_id)
+        except SnapshotNotFound as e:
+            raise ArtifactError(
+                f"the memory image of template {template_id!r} is neither on this node nor in "
+                f"the repository",
+                snapshot_id=template_id,
+                artifact="checkpoint",
+            ) from e
+        if path is None:
+            raise ArtifactError(
+                f"template {template_id!r} has no memory image in the repository",
+                snapshot_id=template_id,
+                artifact="checkpoint",
+            )
+        return path
+
+    async def ensure_layers(self, template_id: str, doc: dict[str, Any]) -> None:
+        missing = [d for d in doc["layers"] if not self.storage.layers.has(d)]
+        if not missing:
+            return
+        await self.wait_published(template_id)
+        manifest = await self.store.get(template_id)
+        await self.store.ensure_layers(manifest)
+
+    async def forget(self, template_id: str) -> None:
+        task = self._publishing.get(template_id)
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
+        try:
+            await self.store.delete(template_id)
+        except SnapshotNotFound:
+            pass
+        except Exception:
+            log.exception("deleting template %s from the repository failed", template_id)
