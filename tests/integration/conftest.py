@@ -94,25 +94,24 @@ def _wipe_runtime(env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "-c", code], env=env, check=False, timeout=120)
 
 
-@pytest.fixture(scope="session")
-def server() -> Iterator[Server]:
+@contextlib.contextmanager
+def running_server(prefix: str, cidr: str, **extra: str) -> Iterator[Server]:
+    """A real node in a temp AENV_HOME with its own net prefix and address range; on exit
+    its sandboxes are killed, the server stopped and every host trace removed."""
     if os.geteuid() != 0 or not shutil.which("runsc"):
         pytest.skip("integration tests need root and runsc (run `make test`)")
-    home = Path(tempfile.mkdtemp(prefix="aenv-it-"))
+    home = Path(tempfile.mkdtemp(prefix=f"aenv-{prefix}-"))
     port = _free_port()
     env = dict(os.environ)
     env.update(
         AENV_HOME=str(home),
         AENV_LISTEN=f"127.0.0.1:{port}",
         AENV_API_KEY="e2b_integration_" + os.urandom(8).hex(),
-        AENV_NET_PREFIX="aeit",
-        AENV_NET_CIDR="10.203.0.0/16",
+        AENV_NET_PREFIX=prefix,
+        AENV_NET_CIDR=cidr,
         AENV_NET_POOL_SIZE="2",
-        # A small node budget, so a test can run into it (fork with partial failure).
-        AENV_MAX_MEMORY_MB="12288",
-        AENV_HIBERNATE_AFTER="5",
     )
-    subprocess.run([AENV, "template", "build-base", "--quiet"], env=env, check=True, timeout=900)
+    env.update(extra)
     srv = Server(
         url=f"http://127.0.0.1:{port}",
         api_key=env["AENV_API_KEY"],
@@ -120,19 +119,30 @@ def server() -> Iterator[Server]:
         env=env,
         log_path=home / "server.log",
     )
-    srv.start()
     try:
+        subprocess.run([AENV, "template", "build-base", "--quiet"], env=env, check=True, timeout=900)
+        srv.start()
         yield srv
     finally:
-        try:
+        with contextlib.suppress(Exception):
             if srv.proc is not None:
                 srv.kill_all_sandboxes()
-        except Exception:
-            pass
         srv.stop()
         _wipe_runtime(env)
         subprocess.run(["umount", "-R", "-l", str(home)], check=False, capture_output=True)
         shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    with running_server(
+        "aeit",
+        "10.203.0.0/16",
+        # A small node budget, so a test can run into it (fork with partial failure).
+        AENV_MAX_MEMORY_MB="12288",
+        AENV_HIBERNATE_AFTER="5",
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")
@@ -161,3 +171,39 @@ def sandboxes(e2b_env: Server) -> Iterator[list[object]]:
         with contextlib.suppress(Exception):
             Sandbox.kill(sbx.sandbox_id)  # type: ignore[attr-defined]
 
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A moto S3 server on a free loopback port, stopped (by its pid) even on failure."""
+    pytest.importorskip("moto", reason="moto[server] is a test dependency")
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("moto") / "moto.log"
+    endpoint = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto server exited:\n{log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{endpoint}/moto-api/", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"moto server did not start:\n{log_path.read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)

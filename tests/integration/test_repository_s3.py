@@ -7,9 +7,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -27,49 +24,6 @@ from tests.unit.test_repository import RepositoryContract, StoreContract
 
 HOST = "127.0.0.1"
 CREDS = S3Credentials("testing-key-id", "testing-secret")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A moto S3 server on a free loopback port, stopped (by its pid) even on failure."""
-    pytest.importorskip("moto", reason="moto[server] is a test dependency")
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("moto") / "moto.log"
-    endpoint = f"http://{HOST}:{port}"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"moto server exited:\n{log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{endpoint}/moto-api/", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"moto server did not start:\n{log_path.read_text()[-2000:]}")
-            time.sleep(0.1)
-        yield endpoint
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -683,15 +684,402 @@ async def test_concurrent_creates(runtime: GVisorRuntime, rootfs: Path) -> None:
         await asyncio.gather(*(runtime.destroy(i) for i in insts))
 
 
+# Writable host overlays (spec.upper), stop and re-stack --------------------------------------
+
+# The counter goes to the rootfs (/root/counter: the host upper dir) and to /tmp (gVisor's own
+# tmpfs: in the checkpoint image only).
+INIT_RW = [
+    "/bin/sh",
+    "-c",
+    "i=0; while :; do i=$((i+1)); echo $i > /root/counter; echo $i > /tmp/counter; "
+    "sleep 0.1; done & "
+    f"exec httpd -f -p {PORT} -h /",
+]
+
+
+def rw_spec(layers: list[Path], sandbox_id: str, upper: Path, **kw: object) -> SandboxSpec:
+    return spec(layers, sandbox_id, args=INIT_RW, upper=upper, **kw)
+
+
+def new_upper(root: Path, name: str) -> Path:
+    d = root / "uppers" / name
+    d.mkdir(parents=True)
+    return d
+
+
+async def root_counter(inst: Instance) -> int:
+    return int((await get(inst, "/root/counter")).strip())
+
+
+def work_dirs(root: Path) -> list[str]:
+    return sorted(str(p) for p in root.rglob("work-*"))
+
+
+def file_mib(path: Path) -> float:
+    return path.stat().st_size / MiB
+
+
+async def test_upper_overlay_writes_land_in_upper(
+    runtime: GVisorRuntime, rootfs: Path, upper_layer: Path, tmp_path: Path
+) -> None:
+    before = (tree_digest(rootfs), tree_digest(upper_layer))
+    upper = new_upper(tmp_path, "u")
+    inst = await runtime.create(rw_spec([upper_layer, rootfs], "rw", upper))
+    try:
+        await wait_http(inst)
+        mnt = inst.bundle_dir / "rootfs"
+        assert mnt in mount_points(runtime.settings.home)
+        assert (tmp_path / "uppers" / f"work-{inst.container_id}").is_dir()
+        assert inst.extra["overlay"] == "none"
+        await sh(
+            inst,
+            "dd if=/dev/zero of=/root/big bs=1M count=32 2>/dev/null; echo new > /newfile; "
+            "rm /etc/hosts /etc/layer-marker; rm -rf /www; mkdir /www; "
+            "echo x > /www/y; echo t > /tmp/in-tmp",
+        )
+        assert file_mib(upper / "root" / "big") == 32
+        assert (upper / "newfile").read_text() == "new\n"
+        # Deleted lower files: overlayfs whiteouts (0/0 character devices).
+        for gone in (upper / "etc" / "hosts", upper / "etc" / "layer-marker"):
+            st = gone.lstat()
+            assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(0, 0), gone
+        # A directory replaced by a new one: opaque.
+        assert os.getxattr(upper / "www", "trusted.overlay.opaque") == b"y"
+        assert sorted(p.name for p in (upper / "www").iterdir()) == ["y"]
+        # /tmp is gVisor's own tmpfs (the image's /tmp is empty): not in the upper dir.
+        assert not (upper / "tmp").exists()
+        assert "t" in await sh(inst, "cat /tmp/in-tmp")
+        assert (tree_digest(rootfs), tree_digest(upper_layer)) == before
+    finally:
+        await runtime.destroy(inst)
+    await runtime.wait_idle()
+    assert mnt not in mount_points(runtime.settings.home)
+    assert work_dirs(tmp_path) == []
+    assert not inst.bundle_dir.exists()
+    # The upper dir belongs to the caller: kept, with its content.
+    assert file_mib(upper / "root" / "big") == 32
+
+
+async def test_tmp_in_upper_when_image_tmp_is_not_empty(
+    runtime: GVisorRuntime, rootfs: Path, tmp_path: Path
+) -> None:
+    """gVisor mounts its tmpfs at /tmp only over an empty /tmp: a file in the image's /tmp
+    makes /tmp a rootfs directory, written to the upper dir like the rest."""
+    layer = tmp_path / "keep-tmp"
+    (layer / "tmp").mkdir(parents=True)
+    (layer / "tmp" / ".keep").write_text("")
+    upper = new_upper(tmp_path, "u")
+    inst = await runtime.create(rw_spec([layer, rootfs], "rwtmp", upper))
+    try:
+        await wait_http(inst)
+        await sh(inst, "echo t > /tmp/in-tmp")
+        assert (upper / "tmp" / "in-tmp").read_text() == "t\n"
+    finally:
+        await runtime.destroy(inst)
+
+
+async def _restack(
+    runtime: GVisorRuntime, rootfs: Path, tmp_path: Path, big_mb: int, tag: str
+) -> None:
+    """The re-stack flow the orchestrator drives for a snapshot with a host upper dir:
+    checkpoint (stops) -> stop -> seal U0 into layer S -> restore the parent on [S, *old] with
+    a new upper, in its own slot -> fork children from the same image."""
+    old = [rootfs]
+    u0 = new_upper(tmp_path, "u0")
+    parent = await runtime.create(rw_spec(old, f"rs{tag}", u0, memory_mb=512))
+    children: list[Instance] = []
+    restored: Instance | None = None
+    try:
+        await wait_http(parent)
+        t0 = time.perf_counter()
+        await sh(parent, f"dd if=/dev/zero of=/root/big bs=1M count={big_mb} 2>/dev/null", 120)
+        timed(f"restack {tag}: write {big_mb} MiB", time.perf_counter() - t0)
+        await sh(parent, "echo parent > /etc/marker; rm /etc/hosts; echo t > /tmp/in-tmp")
+        assert file_mib(u0 / "root" / "big") == big_mb
+        await asyncio.sleep(0.3)
+        image = tmp_path / "image"
+        slot, cid, address = parent.slot, parent.container_id, parent.address
+
+        t0 = time.perf_counter()
+        await runtime.checkpoint(parent, image, leave_running=False)
+        t1 = time.perf_counter()
+        await runtime.stop(parent)
+        t2 = time.perf_counter()
+        assert runtime.is_stopped(parent) and not await runtime.alive(parent)
+        assert parent.bundle_dir / "rootfs" not in mount_points(runtime.settings.home)
+        assert work_dirs(tmp_path) == []
+        assert slot_traces(runtime.settings, slot) != []  # the slot is kept
+        at_checkpoint = int((u0 / "root" / "counter").read_text())
+        # The orchestrator seals U0: a rename into a read-only layer, whatever its size.
+        sealed = tmp_path / "layers" / "s1"
+        sealed.parent.mkdir()
+        os.rename(u0, sealed)
+        t3 = time.perf_counter()
+        sealed_digest = tree_digest(sealed)
+        layers = [sealed, *old]
+        u1 = new_upper(tmp_path, "u1")
+        restored = await runtime.restore(rw_spec(layers, f"rs{tag}", u1), image, reuse=parent)
+        t4 = time.perf_counter()
+        await wait_http(restored)
+        t5 = time.perf_counter()
+        timed(f"restack {tag}: checkpoint (stops)", t1 - t0)
+        timed(f"restack {tag}: stop", t2 - t1)
+        timed(f"restack {tag}: seal (rename)", t3 - t2)
+        timed(f"restack {tag}: restore (reuse)", t4 - t3)
+        timed(f"restack {tag}: HTTP after restore", t5 - t4)
+        timed(f"restack {tag}: parent downtime", t5 - t0)
+        TIMINGS.setdefault(f"restack {tag}: image MiB", []).append(dir_mib(image))
+
+        # Same sandbox, same place: address, slot and container id.
+        assert (restored.address, restored.slot, restored.container_id) == (address, slot, cid)
+        n = await root_counter(restored)
+        assert n >= at_checkpoint, (n, at_checkpoint)
+        assert abs(await counter(restored) - n) <= 2  # /tmp came back from the image
+        out = await sh(restored, "ls -l /root/big; cat /etc/marker /tmp/in-tmp; cat /etc/hosts")
+        assert str(big_mb * MiB) in out and "parent" in out and "t\n" in out
+        assert "No such file" in out  # the whiteout in the sealed layer still hides it
+        await asyncio.sleep(0.5)
+        assert await root_counter(restored) > n
+        # New writes (the counter) go to the new upper, not to the sealed layer.
+        assert int((u1 / "root" / "counter").read_text()) > at_checkpoint
+        assert not (u1 / "root" / "big").exists()
+
+        # Fork: children from the same image, each on its own upper over the same stack.
+        t0 = time.perf_counter()
+        uppers = [new_upper(tmp_path, f"c{i}") for i in range(2)]
+        children = list(
+            await asyncio.gather(
+                *(
+                    runtime.restore(rw_spec(layers, f"rs{tag}-c{i}", u), image)
+                    for i, u in enumerate(uppers)
+                )
+            )
+        )
+        await asyncio.gather(*(wait_http(c) for c in children))
+        timed(f"restack {tag}: 2 children -> HTTP", time.perf_counter() - t0)
+        assert len({restored.address, *(c.address for c in children)}) == 3
+        for i, c in enumerate(children):
+            assert await root_counter(c) >= at_checkpoint
+            await sh(c, f"echo only-c{i} > /root/own")
+            assert (uppers[i] / "root" / "own").read_text() == f"only-c{i}\n"
+        # A file written in one is visible neither in the other nor in the parent.
+        assert "only-c1" not in await sh(children[0], "cat /root/own")
+        assert "only-c0" not in await sh(children[1], "cat /root/own")
+        assert "only-c" not in await sh(restored, "cat /root/own 2>&1; echo end")
+        values = [await root_counter(x) for x in (restored, *children)]
+        await asyncio.sleep(0.5)
+        later = [await root_counter(x) for x in (restored, *children)]
+        assert all(b > a for a, b in zip(values, later, strict=True)), (values, later)
+        assert tree_digest(sealed) == sealed_digest  # the sealed layer is never written
+    finally:
+        await asyncio.gather(
+            *(runtime.destroy(x) for x in (parent, restored, *children) if x is not None)
+        )
+    await runtime.wait_idle()
+    assert mount_points(runtime.settings.sandboxes_dir) == []
+    assert work_dirs(tmp_path) == []
+    assert slot_traces(runtime.settings, slot) == [] or slot in _pool_slots(runtime)
+
+
+def dir_mib(path: Path) -> float:
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file()) / MiB
+
+
+async def test_restack_fork(runtime: GVisorRuntime, rootfs: Path, tmp_path: Path) -> None:
+    await _restack(runtime, rootfs, tmp_path, big_mb=64, tag="64M")
+
+
+@pytest.mark.skipif(not os.environ.get("AENV_RUNTIME_BENCH"), reason="AENV_RUNTIME_BENCH=1")
+async def test_restack_fork_1gib(runtime: GVisorRuntime, rootfs: Path, tmp_path: Path) -> None:
+    """The seal is a rename and the image does not carry the rootfs: neither grows."""
+    await _restack(runtime, rootfs, tmp_path, big_mb=1024, tag="1G")
+
+
+@pytest.mark.skipif(not os.environ.get("AENV_RUNTIME_BENCH"), reason="AENV_RUNTIME_BENCH=1")
+async def test_memory_overlay_1gib_for_comparison(
+    runtime: GVisorRuntime, rootfs: Path, tmp_path: Path
+) -> None:
+    """The same 1 GiB written with --overlay2=root:memory: it is in every checkpoint."""
+    inst = await runtime.create(spec([rootfs], "mem1g", args=INIT_RW, memory_mb=2048))
+    child = None
+    try:
+        await wait_http(inst)
+        await sh(inst, "dd if=/dev/zero of=/root/big bs=1M count=1024 2>/dev/null", 120)
+        image = tmp_path / "image"
+        t0 = time.perf_counter()
+        await runtime.checkpoint(inst, image, leave_running=False)
+        t1 = time.perf_counter()
+        await runtime.stop(inst)
+        t2 = time.perf_counter()
+        child = await runtime.restore(
+            spec([rootfs], "mem1g", args=INIT_RW, memory_mb=2048), image, reuse=inst
+        )
+        t3 = time.perf_counter()
+        await wait_http(child)
+        t4 = time.perf_counter()
+        assert str(1024 * MiB) in await sh(child, "ls -l /root/big")
+        timed("root:memory 1G: checkpoint (stops)", t1 - t0)
+        timed("root:memory 1G: stop", t2 - t1)
+        timed("root:memory 1G: restore (reuse)", t3 - t2)
+        timed("root:memory 1G: HTTP after restore", t4 - t3)
+        timed("root:memory 1G: downtime", t4 - t0)
+        TIMINGS.setdefault("root:memory 1G: image MiB", []).append(dir_mib(image))
+    finally:
+        await runtime.destroy(inst)
+        if child is not None:
+            await runtime.destroy(child)
+
+
+async def test_stop_running_keeps_files_and_address(
+    runtime: GVisorRuntime, rootfs: Path, tmp_path: Path
+) -> None:
+    """Pause without memory: stop a running sandbox (processes dropped, files kept), then
+    boot it again in the same slot on the same upper."""
+    upper = new_upper(tmp_path, "u")
+    inst = await runtime.create(rw_spec([rootfs], "nomem", upper))
+    again = None
+    try:
+        await wait_http(inst)
+        await sh(inst, "echo kept > /root/kept")
+        await asyncio.sleep(0.5)
+        before = await root_counter(inst)
+        t0 = time.perf_counter()
+        await runtime.stop(inst)
+        timed("stop (running, kill)", time.perf_counter() - t0)
+        await runtime.stop(inst)  # idempotent
+        assert runtime.is_stopped(inst)
+        with pytest.raises(RuntimeFailure):
+            await runtime.freeze(inst)
+        with pytest.raises(RuntimeFailure, match="belongs to sandbox"):
+            await runtime.create(rw_spec([rootfs], "other", new_upper(tmp_path, "x")), reuse=inst)
+        t0 = time.perf_counter()
+        again = await runtime.create(rw_spec([rootfs], "nomem", upper), reuse=inst)
+        await wait_http(again)
+        timed("create (reuse) -> HTTP", time.perf_counter() - t0)
+        assert (again.address, again.container_id) == (inst.address, inst.container_id)
+        assert "kept" in await sh(again, "cat /root/kept")
+        assert await root_counter(again) < before  # a new process, counting from 1
+        with pytest.raises(RuntimeFailure, match="not a stopped"):
+            await runtime.restore(rw_spec([rootfs], "nomem", upper), tmp_path, reuse=again)
+    finally:
+        await runtime.destroy(again or inst)
+    await runtime.wait_idle()
+    assert slot_traces(runtime.settings, inst.slot) == [] or inst.slot in _pool_slots(runtime)
+    assert mount_points(runtime.settings.sandboxes_dir) == []
+    assert (upper / "root" / "kept").exists()
+
+
+async def test_stopped_destroy_releases_slot(
+    runtime: GVisorRuntime, rootfs: Path, tmp_path: Path
+) -> None:
+    upper = new_upper(tmp_path, "u")
+    inst = await runtime.create(rw_spec([rootfs], "stopdel", upper))
+    await wait_http(inst)
+    await runtime.checkpoint(inst, tmp_path / "img", leave_running=False)
+    await runtime.stop(inst)
+    assert slot_traces(runtime.settings, inst.slot) != []
+    assert inst.bundle_dir.is_dir()
+    await runtime.destroy(inst)
+    await runtime.wait_idle()
+    assert slot_traces(runtime.settings, inst.slot) == [] or inst.slot in _pool_slots(runtime)
+    assert not inst.bundle_dir.exists()
+    assert inst.container_id not in host_traces(runtime.settings)["containers"]
+
+
+async def test_failed_restore_keeps_stopped_slot(
+    runtime: GVisorRuntime, rootfs: Path, tmp_path: Path
+) -> None:
+    upper = new_upper(tmp_path, "u")
+    inst = await runtime.create(rw_spec([rootfs], "refail", upper))
+    try:
+        await wait_http(inst)
+        await runtime.checkpoint(inst, tmp_path / "img", leave_running=False)
+        await runtime.stop(inst)
+        (tmp_path / "bad-image").mkdir()
+        u1 = new_upper(tmp_path, "u1")
+        with pytest.raises(RuntimeFailure):
+            await runtime.restore(
+                rw_spec([rootfs], "refail", u1), tmp_path / "bad-image", reuse=inst
+            )
+        await runtime.wait_idle()
+        # Still stopped, slot kept, nothing mounted: the caller can retry.
+        assert runtime.is_stopped(inst) and slot_traces(runtime.settings, inst.slot) != []
+        assert mount_points(runtime.settings.sandboxes_dir) == []
+        assert work_dirs(tmp_path) == []
+        sealed = tmp_path / "s1"
+        os.rename(upper, sealed)
+        again = await runtime.restore(
+            rw_spec([sealed, rootfs], "refail", u1), tmp_path / "img", reuse=inst
+        )
+        await wait_http(again)
+        assert again.address == inst.address
+        inst = again
+    finally:
+        await runtime.destroy(inst)
+
+
+async def _restore_many(
+    runtime: GVisorRuntime, rootfs: Path, tmp_path: Path, image: Path, n: int, tag: str
+) -> None:
+    uppers = [new_upper(tmp_path, f"{tag}-{n}-{i}") for i in range(n)]
+    t0 = time.perf_counter()
+    each: list[float] = []
+
+    async def one(i: int) -> Instance:
+        inst = await runtime.restore(rw_spec([rootfs], f"par{tag}{n}-{i}", uppers[i]), image)
+        await wait_http(inst, limit=120)
+        each.append(time.perf_counter() - t0)
+        return inst
+
+    results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
+    insts = [r for r in results if isinstance(r, Instance)]
+    try:
+        assert len(insts) == n, [r for r in results if not isinstance(r, Instance)]
+        timed(f"{n:>2} parallel restores -> all HTTP", time.perf_counter() - t0)
+        timed(f"{n:>2} parallel restores: median child", sorted(each)[len(each) // 2])
+    finally:
+        await asyncio.gather(*(runtime.destroy(i) for i in insts))
+        await runtime.wait_idle()
+
+
+@pytest.mark.parametrize(
+    "n",
+    [
+        1,
+        4,
+        pytest.param(
+            16,
+            marks=pytest.mark.skipif(
+                not os.environ.get("AENV_RUNTIME_BENCH"), reason="AENV_RUNTIME_BENCH=1"
+            ),
+        ),
+    ],
+)
+async def test_parallel_restores(
+    runtime: GVisorRuntime, rootfs: Path, tmp_path: Path, n: int
+) -> None:
+    upper = new_upper(tmp_path, "parent")
+    parent = await runtime.create(rw_spec([rootfs], f"parp{n}", upper))
+    try:
+        await wait_http(parent)
+        await runtime.checkpoint(parent, tmp_path / "img", leave_running=True)
+    finally:
+        await runtime.destroy(parent)
+    await runtime.wait_idle()
+    await asyncio.sleep(0.5)  # the pool refills
+    await _restore_many(runtime, rootfs, tmp_path, tmp_path / "img", n, "p")
+
+
 # Reconcile after a crash (own prefix, range and home) -----------------------------------------
 
 
 def _crash(rt: GVisorRuntime) -> None:
     """Drops a runtime like a killed process would: no cleanup, pool slots left behind."""
-    task = rt.pool._task
-    if task is not None:
-        task.cancel()
+    for task in (rt.pool._task, rt._reaper):
+        if task is not None:
+            task.cancel()
     rt.pool._task = None
+    rt._reaper = None
 
 
 async def test_reconcile_after_crash(
@@ -754,3 +1142,69 @@ async def test_reconcile_after_crash(
     finally:
         await GVisorRuntime(settings).purge()
         assert_no_traces(settings)
+
+
+async def test_reconcile_with_overlays(
+    rootfs: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """After a crash: a kept running sandbox keeps its overlay mount (re-adopted), a kept
+    stopped one keeps its slot and can be restored into it, the rest is cleaned up; no
+    upper dir is ever deleted."""
+    settings = make_settings(
+        tmp_path_factory.mktemp("aenv-home-rco"), RECONCILE_PREFIX, RECONCILE_CIDR, pool=1
+    )
+    try:
+        rt1 = GVisorRuntime(settings)
+        await rt1.start(set())
+        ua, ub, uc = (new_upper(tmp_path, n) for n in ("a", "b", "c"))
+        a, b, c = await asyncio.gather(
+            rt1.create(rw_spec([rootfs], "rco-a", ua)),
+            rt1.create(rw_spec([rootfs], "rco-b", ub)),
+            rt1.create(rw_spec([rootfs], "rco-c", uc)),
+        )
+        await asyncio.gather(wait_http(a), wait_http(b), wait_http(c))
+        for x in (a, b, c):
+            await sh(x, f"echo {x.sandbox_id} > /root/mine")
+        await rt1.checkpoint(c, tmp_path / "img-c", leave_running=False)
+        await rt1.stop(c)
+        _crash(rt1)
+        del rt1
+
+        rt2 = GVisorRuntime(settings)
+        recovered = await rt2.start({a.container_id, c.container_id})
+        assert set(recovered) == {a.container_id, c.container_id}
+        ra, rc = recovered[a.container_id], recovered[c.container_id]
+        assert not rt2.is_stopped(ra) and rt2.is_stopped(rc)
+        assert await rt2.alive(ra) and not await rt2.alive(rc)
+        # a: still on its mounted overlay, writing to its upper.
+        assert ra.bundle_dir / "rootfs" in mount_points(settings.home)
+        await sh(ra, "echo after > /root/after")
+        assert (ua / "root" / "after").read_text() == "after\n"
+        # b: container, mount and work dir gone; its upper stays.
+        assert b.container_id not in host_traces(settings)["containers"]
+        assert b.bundle_dir / "rootfs" not in mount_points(settings.home)
+        assert not (tmp_path / "uppers" / f"work-{b.container_id}").exists()
+        assert (ub / "root" / "mine").read_text() == "rco-b\n"
+        assert slot_traces(settings, b.slot) == [] or b.slot in _pool_slots(rt2)
+        # c: restored into its kept slot on a sealed stack.
+        assert slot_traces(settings, c.slot) != []
+        sealed = tmp_path / "sealed-c"
+        os.rename(uc, sealed)
+        rc2 = await rt2.restore(
+            rw_spec([sealed, rootfs], "rco-c", new_upper(tmp_path, "c1")),
+            tmp_path / "img-c",
+            reuse=rc,
+        )
+        await wait_http(rc2)
+        assert (rc2.address, rc2.container_id) == (c.address, c.container_id)
+        assert "rco-c" in await sh(rc2, "cat /root/mine")
+        await asyncio.gather(rt2.destroy(ra), rt2.destroy(rc2))
+        await rt2.close()
+        traces = host_traces(settings)
+        for k in ("containers", "netns", "links", "mounts", "cgroups"):
+            assert traces[k] == [], (k, traces)
+        assert work_dirs(tmp_path) == []
+    finally:
+        await GVisorRuntime(settings).purge()
+        assert_no_traces(settings)
+    assert all(u.is_dir() for u in (ua, ub))
