@@ -39,6 +39,8 @@ def serve(settings: Settings) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    # Every envd health probe would be an INFO line.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     key_file = settings.secrets_dir / "api-key"
     fresh_key = not settings.api_key and not key_file.exists()
     key = settings.effective_api_key

@@ -34,6 +34,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# A plain-HTTP registry on loopback that tests may start on this address (test_templates.py);
+# the session's server trusts it. Chosen once, before the server starts.
+TEST_REGISTRY = f"127.0.0.1:{_free_port()}"
+
+
 @dataclass
 class Server:
     url: str
@@ -141,6 +146,7 @@ def server() -> Iterator[Server]:
         # A small node budget, so a test can run into it (fork with partial failure).
         AENV_MAX_MEMORY_MB="12288",
         AENV_HIBERNATE_AFTER="5",
+        AENV_INSECURE_REGISTRIES=TEST_REGISTRY,
     ) as srv:
         yield srv
 

@@ -210,17 +210,30 @@ async def get(inst: Instance, path: str = "/www/index.html", timeout: float = 2.
         return r.text
 
 
+async def _http_ok(address: str, timeout: float) -> bool:
+    """One bare HTTP GET (no client object: cheap enough to poll many sandboxes at once)."""
+    writer = None
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(address, PORT)
+            writer.write(b"GET /www/index.html HTTP/1.0\r\n\r\n")
+            await writer.drain()
+            return b" 200 " in await reader.readline()
+    except (OSError, TimeoutError):
+        return False
+    finally:
+        if writer is not None:
+            writer.close()
+
+
 async def wait_http(inst: Instance, limit: float = 15.0) -> float:
     """Seconds until the sandbox's httpd answers."""
     t0 = time.perf_counter()
-    while True:
-        try:
-            await get(inst, timeout=0.5)
-            return time.perf_counter() - t0
-        except httpx.HTTPError:
-            if time.perf_counter() - t0 > limit:
-                raise
-            await asyncio.sleep(0.01)
+    while not await _http_ok(inst.address, 0.5):
+        if time.perf_counter() - t0 > limit:
+            raise TimeoutError(f"{inst.container_id} at {inst.address} does not answer")
+        await asyncio.sleep(0.01)
+    return time.perf_counter() - t0
 
 
 async def sh(inst: Instance, cmd: str, timeout: float = 20.0) -> str:
@@ -697,6 +710,16 @@ INIT_RW = [
 ]
 
 
+def write_random(mib: int) -> str:
+    """A shell command writing `mib` MiB of incompressible, non-zero data to /root/big (zero
+    pages would not show what a checkpoint carries: gVisor skips them)."""
+    return (
+        "head -c 1048576 /dev/urandom > /root/r1m; "
+        f"i=0; while [ $i -lt {mib} ]; do cat /root/r1m; i=$((i+1)); done > /root/big; "
+        "rm /root/r1m"
+    )
+
+
 def rw_spec(layers: list[Path], sandbox_id: str, upper: Path, **kw: object) -> SandboxSpec:
     return spec(layers, sandbox_id, args=INIT_RW, upper=upper, **kw)
 
@@ -792,7 +815,7 @@ async def _restack(
     try:
         await wait_http(parent)
         t0 = time.perf_counter()
-        await sh(parent, f"dd if=/dev/zero of=/root/big bs=1M count={big_mb} 2>/dev/null", 120)
+        await sh(parent, write_random(big_mb), 300)
         timed(f"restack {tag}: write {big_mb} MiB", time.perf_counter() - t0)
         await sh(parent, "echo parent > /etc/marker; rm /etc/hosts; echo t > /tmp/in-tmp")
         assert file_mib(u0 / "root" / "big") == big_mb
@@ -882,7 +905,8 @@ async def _restack(
 
 
 def dir_mib(path: Path) -> float:
-    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file()) / MiB
+    """Size of the files below `path` (apparent size: an image file may be sparse)."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / MiB
 
 
 async def test_restack_fork(runtime: GVisorRuntime, rootfs: Path, tmp_path: Path) -> None:
@@ -904,7 +928,7 @@ async def test_memory_overlay_1gib_for_comparison(
     child = None
     try:
         await wait_http(inst)
-        await sh(inst, "dd if=/dev/zero of=/root/big bs=1M count=1024 2>/dev/null", 120)
+        await sh(inst, write_random(1024), 300)
         image = tmp_path / "image"
         t0 = time.perf_counter()
         await runtime.checkpoint(inst, image, leave_running=False)

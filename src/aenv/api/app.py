@@ -20,7 +20,7 @@ from aenv.proxy.dispatch import SandboxRouter
 
 from .errors import install_error_handlers
 from .idempotency import IdempotencyCache
-from .routes import health, sandboxes, snapshots
+from .routes import builds, health, images, sandboxes, snapshots
 
 
 def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAPI:
@@ -48,6 +48,8 @@ def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAP
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(sandboxes.router)
+    builds.attach(app)  # template builds; before snapshots (its /templates/{id:path})
+    app.include_router(images.router)
     app.include_router(snapshots.router)
     return app
 

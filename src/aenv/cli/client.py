@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -93,6 +94,22 @@ class ControlPlane:
         if resp.status_code == 401:
             msg = f"{msg}; {self._key_hint}" if self._key_hint else msg
         raise CliError(msg, status=resp.status_code)
+
+    @contextlib.contextmanager
+    def stream(
+        self, method: str, path: str, *, json: Any = None, ok: Iterable[int] = (200,)
+    ) -> Iterator[httpx.Response]:
+        """A streamed answer (read it inside the `with`); errors as in `request`."""
+        try:
+            with self._http.stream(
+                method, path, json=json, timeout=httpx.Timeout(60.0, read=None)
+            ) as resp:
+                if resp.status_code not in set(ok):
+                    resp.read()
+                    raise CliError(server_message(resp), status=resp.status_code)
+                yield resp
+        except httpx.TransportError as exc:
+            raise transport_error(self.url, exc) from None
 
     @staticmethod
     def _json(resp: httpx.Response) -> Any:

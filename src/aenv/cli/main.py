@@ -15,9 +15,11 @@ from typer.core import TyperGroup
 
 from .. import __version__
 from ..errors import AenvError
+from .bench import register as register_bench
 from .client import ControlPlane
 from .connect import ConnectError, EnvdClient
 from .errors import CliError, one_line
+from .templates import register as register_templates
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -54,6 +56,7 @@ app = typer.Typer(
 )
 template_app = typer.Typer(help="Manage templates.", no_args_is_help=True)
 app.add_typer(template_app, name="template")
+register_bench(app)  # `aenv bench` (cli/bench.py; the harness is in bench/)
 
 
 # -- global state -------------------------------------------------------------------------
@@ -605,3 +608,6 @@ class _BuildProgress:
 
 if __name__ == "__main__":  # pragma: no cover
     app()
+
+
+register_templates(app, template_app, _state)  # `aenv pull`, `aenv build`, `aenv template rm`

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 from typing import TYPE_CHECKING
 
@@ -242,6 +243,11 @@ async def serve(host: str, port: int, state: State | None = None) -> None:
 
     server = await asyncio.start_server(on_conn, host, port, reuse_address=True, backlog=1024)
     log(f"listening on {host}:{port}")
+    sudo = None
+    if os.geteuid() == 0:  # the service behind the sandbox's sudo (see sudo_service)
+        from .sudo_service import start_service
+
+        sudo = start_service(app.state)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -251,6 +257,8 @@ async def serve(host: str, port: int, state: State | None = None) -> None:
         await stop.wait()
     finally:
         server.close()
+        if sudo is not None:
+            sudo.close()
         if app._procs is not None:
             for proc in list(app._procs.procs.values()):
                 proc.signal(signal.SIGKILL)

@@ -67,6 +67,7 @@ class Users:
         self._users: dict[str, User] = {}
         self._uid_names: dict[int, str] = {}
         self._gid_names: dict[int, str] = {}
+        self._group_gids: dict[str, int] = {}
 
     def _load(self) -> None:
         stamp = (_stamp(self.passwd_path), _stamp(self.group_path))
@@ -74,6 +75,7 @@ class Users:
             return
         members: dict[str, list[int]] = {}
         gid_names: dict[int, str] = {}
+        group_gids: dict[str, int] = {}
         for row in _read_lines(self.group_path):
             if len(row) < 3:
                 continue
@@ -82,6 +84,7 @@ class Users:
             except ValueError:
                 continue
             gid_names.setdefault(gid, row[0])
+            group_gids.setdefault(row[0], gid)
             if len(row) > 3:
                 for m in row[3].split(","):
                     m = m.strip()
@@ -104,7 +107,9 @@ class Users:
             users["root"] = ROOT
         uid_names.setdefault(0, "root")
         gid_names.setdefault(0, "root")
+        group_gids.setdefault("root", 0)
         self._users, self._uid_names, self._gid_names = users, uid_names, gid_names
+        self._group_gids = group_gids
         self._stamp = stamp
 
     def get(self, name: str) -> User | None:
@@ -118,6 +123,16 @@ class Users:
     def gid_name(self, gid: int) -> str:
         self._load()
         return self._gid_names.get(gid, str(gid))
+
+    def by_uid(self, uid: int) -> User | None:
+        """The first passwd entry with this uid (None if there is none)."""
+        self._load()
+        name = self._uid_names.get(uid)
+        return self._users.get(name) if name is not None else None
+
+    def group_gid(self, name: str) -> int | None:
+        self._load()
+        return self._group_gids.get(name)
 
 
 # Set by the runtime bundle's launcher for envd's own interpreter only (kept equal to
@@ -172,6 +187,11 @@ class State:
     def from_environ(cls, environ: dict[str, str] | None = None) -> State:
         env = dict(os.environ if environ is None else environ)
         st = cls(base_env=_strip_launcher_env(env))
+        # Tests point envd at fake user databases; in a sandbox these are unset.
+        passwd = env.get(ENV_PREFIX + "PASSWD_FILE")
+        group = env.get(ENV_PREFIX + "GROUP_FILE")
+        if passwd or group:
+            st.users = Users(passwd or PASSWD, group or GROUP)
         st.access_token = env.get(ENV_PREFIX + "ACCESS_TOKEN") or None
         st.default_user = env.get(ENV_PREFIX + "DEFAULT_USER") or None
         st.default_workdir = env.get(ENV_PREFIX + "DEFAULT_WORKDIR") or None

@@ -1,13 +1,15 @@
-"""Run host commands (runsc, ip, iptables, mount) without blocking the event loop."""
+"""Run host commands (runsc, ip, iptables, mount) without blocking the event loop, and reap
+the runsc processes this process adopts."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -142,3 +144,115 @@ def _tail(path: Path, offset: int, limit: int = 4000) -> str:
     except OSError:
         return ""
     return data[-limit:].decode(errors="replace").strip()
+
+
+# Child processes adopted as a subreaper ------------------------------------------------------
+#
+# `runsc run/restore --detach` leaves the sandbox and gofer processes (and the sandbox's
+# systrap stubs) orphaned. Their exit must be reaped before `runsc delete` returns: it polls
+# `kill(pid, 0)` every 100 ms for up to 5 s, and a zombie still answers. Under a lazy init
+# (this VM's PID 1 reaps every 1-2 s) that makes deleting even a stopped container take
+# 1-2 s. As a child subreaper this process adopts those orphans and reaps them itself, by pid
+# and only runsc's (never `waitpid(-1)`, which would steal the exit status of asyncio's
+# children): runsc re-executes itself through /proc/self/exe, so its sandbox, gofer and stub
+# processes are named `exe`, and nothing else this process starts is.
+
+PR_SET_CHILD_SUBREAPER = 36
+RUNSC_COMM = "exe"
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    state: str
+    ppid: int
+    session: int
+    threads: int
+    comm: str
+
+    @property
+    def dead(self) -> bool:
+        """A zombie whose every thread has exited (a zombie leader may still have threads)."""
+        return self.state in ("Z", "X") and self.threads <= 1
+
+
+def become_subreaper() -> bool:
+    """Makes this process the reaper of its orphaned descendants (Linux >= 3.4)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """A process's /proc/<pid>/stat, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    head, _, tail = data.rpartition(b")")
+    fields = tail.split()
+    try:
+        return ProcStat(
+            state=fields[0].decode(),
+            ppid=int(fields[1]),
+            session=int(fields[3]),
+            threads=int(fields[17]),
+            comm=head.partition(b"(")[2].decode(errors="replace"),
+        )
+    except (IndexError, ValueError):
+        return None
+
+
+def settled(pid: int) -> bool:
+    """True when `pid` no longer runs: gone, reaped now (a runsc child of ours), or a dead
+    zombie someone else must reap. Sync, non-blocking."""
+    st = proc_stat(pid)
+    if st is None:
+        return True
+    if st.ppid == os.getpid() and st.comm == RUNSC_COMM:
+        try:
+            return os.waitpid(pid, os.WNOHANG)[0] == pid
+        except ChildProcessError:
+            return True
+    return st.dead
+
+
+def reap(pids: Iterable[int]) -> None:
+    """Reaps those of `pids` that are exited runsc children of this process."""
+    for pid in pids:
+        if pid > 0:
+            settled(pid)
+
+
+def reap_adopted() -> int:
+    """Reaps every exited runsc process adopted by this process (stubs of dead sandboxes,
+    sandboxes that died on their own); returns how many."""
+    me = os.getpid()
+    found = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            st = proc_stat(int(name))
+            if st is not None and st.ppid == me and st.comm == RUNSC_COMM and st.dead:
+                found.append(int(name))
+    reap(found)
+    return len(found)
+
+
+async def wait_exited(pids: Iterable[int], time_limit: float) -> bool:
+    """Waits (polling) until every pid has exited, reaping those that are runsc children.
+    Returns False when one still runs after `time_limit` seconds."""
+    todo = {p for p in pids if p > 0}
+    deadline = time.monotonic() + time_limit
+    delay = 0.002
+    while True:
+        todo = {p for p in todo if not settled(p)}
+        if not todo:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.05)

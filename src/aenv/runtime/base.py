@@ -33,6 +33,11 @@ class SandboxSpec:
     memory_mb: int = 512
     hostname: str = "sandbox"
     cwd: str = "/"
+    # The sandbox's writable layer: a host directory the orchestrator owns (and seals into a
+    # read-only layer on a snapshot). When set, the rootfs is a host overlay per container
+    # (`lowerdir=layers`, `upperdir=upper`) and every rootfs write lands in `upper`; the
+    # runtime never deletes it. None: writes stay in the backend's memory (and checkpoints).
+    upper: Path | None = None
 
 
 @dataclass
@@ -86,21 +91,36 @@ class Runtime(abc.ABC):
     async def start(self, keep: set[str]) -> dict[str, Instance]:
         """Prepare the host (pools, NAT) and reconcile after a crash.
 
-        `keep` holds the container ids the catalog still knows as running/frozen: the backend
-        returns the ones it could recover (still alive) and removes every other trace it left
-        on the host (containers, netns, veths, mounts, bundle dirs)."""
+        `keep` holds the container ids the catalog still knows as running, frozen or stopped:
+        the backend returns the ones it could recover (still alive, or stopped with their
+        network slot intact: `is_stopped(inst)`) and removes every other trace it left on the
+        host (containers, netns, veths, mounts, bundle dirs). It never deletes a sandbox's
+        `upper` directory."""
 
     @abc.abstractmethod
     async def close(self) -> None:
         """Stop background work (pools); sandboxes keep running."""
 
     @abc.abstractmethod
-    async def create(self, spec: SandboxSpec) -> Instance:
-        """Boot a sandbox; returns once its init process was started (not once envd answers)."""
+    async def create(self, spec: SandboxSpec, *, reuse: Instance | None = None) -> Instance:
+        """Boot a sandbox; returns once its init process was started (not once envd answers).
+
+        `reuse`: a stopped instance (see `stop`) of the same sandbox whose network slot (and
+        so address) and, where possible, container id the new one takes over."""
+
+    @abc.abstractmethod
+    async def stop(self, inst: Instance) -> None:
+        """Remove the sandbox's processes and rootfs mount but keep its network slot.
+
+        After `checkpoint(inst, dir, leave_running=False)` this is the cheap half of a
+        hibernate/re-stack: the container is removed, `spec.upper` is no longer in use (the
+        caller may rename or seal it), and `restore(spec, dir, reuse=inst)` brings the
+        sandbox back at the same address. On a running instance it kills the processes
+        (files in `upper` are kept, memory is not). `destroy` releases the slot."""
 
     @abc.abstractmethod
     async def destroy(self, inst: Instance) -> None:
-        """Remove the sandbox and everything it held; idempotent."""
+        """Remove the sandbox and everything it held (running or stopped); idempotent."""
 
     @abc.abstractmethod
     async def freeze(self, inst: Instance) -> None: ...
@@ -113,11 +133,23 @@ class Runtime(abc.ABC):
         """Write memory + process state (and in-sandbox FS state the backend keeps) to image_dir."""
 
     @abc.abstractmethod
-    async def restore(self, spec: SandboxSpec, image_dir: Path) -> Instance:
-        """Start a new sandbox (own id, own network slot) from a checkpoint image."""
+    async def restore(
+        self, spec: SandboxSpec, image_dir: Path, *, reuse: Instance | None = None
+    ) -> Instance:
+        """Start a sandbox from a checkpoint image: a new one (own container id, own network
+        slot), or with `reuse` the stopped instance's own slot (same address) and id.
+
+        The image must come from a sandbox with the same rootfs mode (`upper` set or not);
+        with `upper`, `spec.layers` must hold what the checkpointed sandbox saw (typically its
+        sealed upper on top of its old layers) and `spec.upper` a fresh empty directory."""
 
     @abc.abstractmethod
     async def stats(self, inst: Instance) -> Stats: ...
 
     @abc.abstractmethod
     async def alive(self, inst: Instance) -> bool: ...
+
+    @staticmethod
+    def is_stopped(inst: Instance) -> bool:
+        """True for an instance after `stop` (its slot kept, no processes)."""
+        return bool(inst.extra.get("stopped"))

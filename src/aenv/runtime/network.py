@@ -20,9 +20,10 @@ Slot N (names from `settings.net_prefix`, here `P`):
   - `net.ipv4.ip_forward=1`.
 * Router netns: INPUT from `gw0` is dropped (the sandbox cannot talk to the router itself).
 
-Slots are built ahead of time by a small warm pool. A slot is never reused: once runsc used an
-inner netns it has moved the address into its netstack, so `release` tears the slot down and
-the pool builds fresh ones.
+Slots are built ahead of time by a small warm pool. Once runsc used an inner netns it has moved
+eth0's address into its netstack, so `release` tears the slot down and the pool builds fresh
+ones. The one exception is a stopped sandbox (`Runtime.stop`) that keeps its slot: `rearm`
+puts the address back before the same sandbox is restored into it.
 """
 
 from __future__ import annotations
@@ -276,6 +277,22 @@ EOF
             raise
         log.debug("slot %d built in %.1f ms", n, (time.perf_counter() - t0) * 1000)
         return slot
+
+    async def rearm(self, n: int) -> None:
+        """Makes a used slot usable again for a new sandbox (a stopped sandbox's restore).
+
+        runsc moves eth0's address and routes of the inner netns into its netstack, and they
+        are gone when the sandbox exits; this puts them back (idempotent)."""
+        s = self.addr.slot(n)
+        batch = (
+            f"address replace {SANDBOX_IP}/{LINK_PREFIXLEN} dev eth0\n"
+            "link set eth0 up\n"
+            "link set lo up\n"
+            f"route replace default via {GATEWAY_IP}\n"
+        )
+        t0 = time.perf_counter()
+        await _proc.run(["ip", "-n", s.inner_ns, "-batch", "-"], input=batch, time_limit=30)
+        log.debug("slot %d re-armed in %.1f ms", n, (time.perf_counter() - t0) * 1000)
 
     async def teardown(self, n: int) -> None:
         """Deletes the host veth and both netns of slot `n`; missing parts are fine."""

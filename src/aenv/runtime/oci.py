@@ -99,7 +99,8 @@ def config(
             "noNewPrivileges": False,
         },
         # Not read-only: with --overlay2=root:memory the sandbox writes into the sentry's
-        # memory overlay; the directory itself is never written.
+        # memory overlay (the directory itself is never written); with --overlay2=none
+        # `rootfs` is the sandbox's own host overlay and writes land in its upper dir.
         "root": {"path": str(rootfs), "readonly": False},
         "hostname": spec.hostname,
         "mounts": mounts,

@@ -1,9 +1,18 @@
-"""Read-only root filesystems for sandboxes (decision 2, first version).
+"""Root filesystems for sandboxes (decision 2).
 
-One layer: the layer directory itself is the rootfs. Several layers: one read-only host overlay
-(`lowerdir=l1:l2:...`, no upper) per distinct layer stack, mounted under `$AENV_HOME/mnt/<key>`
-and shared by refcount. Sandbox writes never reach these: runsc runs with
-`--overlay2=root:memory`, so they land in the sentry's memory overlay (and in checkpoints).
+Two modes, chosen per sandbox by `SandboxSpec.upper`:
+
+* **Writable host overlay per container** (`upper` set; runsc `--overlay2=none`):
+  `lowerdir=<layers, topmost first>,upperdir=<upper>,workdir=<upper's parent>/work-<cid>`
+  mounted at the container's bundle `rootfs/` (`mount_writable`). Every rootfs write lands in
+  `upper` on the host: regular overlayfs format (whiteouts are 0/0 character devices, opaque
+  dirs carry `trusted.overlay.opaque=y`), with redirect_dir/metacopy/index off so a sealed
+  upper is a plain layer that stacks under any later one. The layers are never written; the
+  runtime never deletes `upper` (the orchestrator owns it), only its own work dir.
+* **Read-only shared stack** (`upper` None; runsc `--overlay2=root:memory`): one layer is the
+  rootfs itself; several get one read-only host overlay (`lowerdir=l1:l2:...`, no upper) per
+  distinct stack under `$AENV_HOME/mnt/<key>`, shared by refcount (`RootfsMounts`). Writes
+  land in the sentry's memory overlay (and in checkpoints).
 
 runsc's sandbox and gofer processes pivot into mount namespaces of their own that hold only
 what they serve, so an unmounted stack does not linger in other sandboxes (checked: after an
@@ -17,6 +26,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from aenv.errors import RuntimeFailure
@@ -48,20 +58,89 @@ def mount_points(under: Path) -> list[Path]:
 def _is_mount_point(path: Path) -> bool:
     target = str(path)
     with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == target for line in f)
+        return any(line.split()[4].replace("\\040", " ") == target for line in f)
 
 
-def _lowerdir(layers: list[Path]) -> tuple[str, str | None]:
-    """The `lowerdir=` value and the cwd to mount from (relative paths for long stacks)."""
+def is_mount_point(path: Path) -> bool:
+    return _is_mount_point(path)
+
+
+def _lowerdir(layers: list[Path], reserve: int = 0) -> tuple[str, str | None]:
+    """The `lowerdir=` value and the cwd to mount from (relative paths for long stacks);
+    `reserve` is what the other mount options take of the page."""
+    limit = _MAX_OPTION - reserve
     lower = ":".join(str(p) for p in layers)
-    if len(lower) <= _MAX_OPTION:
+    if len(lower) <= limit:
         return lower, None
     # overlayfs resolves relative lowerdirs against the caller's cwd.
     cwd = os.path.commonpath([str(p) for p in layers])
     lower = ":".join(os.path.relpath(p, cwd) for p in layers)
-    if len(lower) > _MAX_OPTION:
+    if len(lower) > limit:
         raise RuntimeFailure(f"layer stack too long for one overlay ({len(layers)})")
     return lower, cwd
+
+
+# Options of a writable sandbox overlay: no redirects, metacopy or index, so that the upper,
+# once sealed, is an ordinary layer (full copies, whiteouts, opaque dirs) valid in any stack.
+WRITABLE_OPTIONS = "redirect_dir=off,metacopy=off,index=off"
+
+
+def _check_paths(paths: list[Path]) -> None:
+    for p in paths:
+        if ":" in str(p) or "," in str(p) or not p.is_absolute():
+            raise RuntimeFailure(f"path not usable in an overlay: {p}")
+
+
+async def mount_writable(layers: list[Path], upper: Path, work: Path, target: Path) -> None:
+    """Mounts `lowerdir=layers,upperdir=upper,workdir=work` at `target` (created).
+
+    `work` is (re)created empty; it must be on the same filesystem as `upper`."""
+    if not layers:
+        raise RuntimeFailure("a sandbox needs at least one layer")
+    _check_paths([*layers, upper, work])
+
+    def prepare() -> None:
+        if not upper.is_dir():
+            raise RuntimeFailure(f"upper dir {upper} does not exist")
+        if _is_mount_point(target):
+            raise RuntimeFailure(f"{target} is already a mount point")
+        if work.exists() or work.is_symlink():
+            remove_work_dir(work)
+        work.mkdir(mode=0o700)
+        target.mkdir(parents=True, exist_ok=True)
+        if os.stat(work).st_dev != os.stat(upper).st_dev:
+            raise RuntimeFailure(f"work dir {work} is not on the filesystem of {upper}")
+
+    await asyncio.to_thread(prepare)
+    lower, cwd = _lowerdir(layers, reserve=len(str(upper)) + len(str(work)) + 64)
+    opts = f"lowerdir={lower},upperdir={upper},workdir={work},{WRITABLE_OPTIONS}"
+    try:
+        await _proc.run(["mount", "-t", "overlay", "aenv-sbx", "-o", opts, str(target)], cwd=cwd)
+    except BaseException:
+        await asyncio.to_thread(remove_work_dir, work)
+        raise
+
+
+async def unmount(target: Path) -> bool:
+    """Unmounts `target` (lazily when busy); True when nothing is mounted there any more."""
+    if not await asyncio.to_thread(_is_mount_point, target):
+        return True
+    res = await _proc.run(["umount", str(target)], check=False)
+    if res.returncode != 0 and await asyncio.to_thread(_is_mount_point, target):
+        log.warning("umount %s: %s; detaching lazily", target, res.stderr.strip())
+        await _proc.run(["umount", "-l", str(target)], check=False)
+    return not await asyncio.to_thread(_is_mount_point, target)
+
+
+def remove_work_dir(work: Path) -> None:
+    """Removes an overlay work dir (never a mount point, never through a symlink). Sync."""
+    if work.is_symlink():
+        work.unlink()
+        return
+    if not work.is_dir() or _is_mount_point(work) or mount_points(work):
+        return
+    # overlayfs leaves `work/work` (mode 000) behind; root removes it regardless.
+    shutil.rmtree(work, ignore_errors=True)
 
 
 class RootfsMounts:

@@ -1,8 +1,10 @@
 """A small async wrapper around the `runsc` CLI (gVisor 20240729).
 
 Every call gets the same global flags (`--root`, `--platform`, `--network=sandbox`,
-`--net-disconnect-ok`, the rootfs overlay mode, `--cpu-num-from-quota`): runsc reads its
-config from the flags of each invocation, and checkpoint/restore need consistent ones.
+`--net-disconnect-ok`, `--cpu-num-from-quota`) and the rootfs overlay mode of the container it
+acts on (`--overlay2=root:memory` for a sandbox without an upper dir, `none` for one on a
+per-container host overlay): runsc reads its config from the flags of each invocation, and
+run/checkpoint/restore of one sandbox need consistent ones.
 
 On kernels where `/proc/sys/net/core/rmem_default` exists in every network namespace (6.x),
 runsc 20240729 thinks any netns is the root one and refuses `--network=sandbox`. Commands that
@@ -74,13 +76,13 @@ class Runsc:
             log.info("runsc netns fix %s", "needed" if self.netns_fix else "not needed")
         return self.netns_fix
 
-    def global_flags(self, *, log_dir: Path | None = None) -> list[str]:
+    def global_flags(self, *, log_dir: Path | None = None, overlay: str | None = None) -> list[str]:
         flags = [
             f"--root={self.root}",
             f"--platform={self.platform}",
             "--network=sandbox",
             "--net-disconnect-ok",
-            f"--overlay2={self.overlay}",
+            f"--overlay2={overlay or self.overlay}",
             "--cpu-num-from-quota",
             *self.extra_flags,
         ]
@@ -92,29 +94,42 @@ class Runsc:
                 flags += ["--debug", f"--debug-log={log_dir / 'debug'}/"]
         return flags
 
-    def argv(self, *args: str, log_dir: Path | None = None) -> list[str]:
-        cmd = [self.binary, *self.global_flags(log_dir=log_dir), *args]
+    def argv(
+        self, *args: str, log_dir: Path | None = None, overlay: str | None = None
+    ) -> list[str]:
+        cmd = [self.binary, *self.global_flags(log_dir=log_dir, overlay=overlay), *args]
         if args and args[0] in _SETUP_COMMANDS and self.netns_fix:
             return [*_NETNS_FIX_WRAPPER, *cmd]
         return cmd
 
     async def __call__(
-        self, *args: str, log_dir: Path | None = None, time_limit: float | None = 60.0
+        self,
+        *args: str,
+        log_dir: Path | None = None,
+        time_limit: float | None = 60.0,
+        overlay: str | None = None,
     ) -> str:
         """Runs a runsc command that exits on its own; returns stdout."""
         res = await _proc.run(
-            self.argv(*args, log_dir=log_dir), time_limit=time_limit, what=_what(args)
+            self.argv(*args, log_dir=log_dir, overlay=overlay),
+            time_limit=time_limit,
+            what=_what(args),
         )
         return res.stdout
 
     async def detached(
-        self, *args: str, output: Path, log_dir: Path | None = None, time_limit: float = 120.0
+        self,
+        *args: str,
+        output: Path,
+        log_dir: Path | None = None,
+        time_limit: float = 120.0,
+        overlay: str | None = None,
     ) -> float:
         """`run`/`restore` with `--detach`: stdio to `output`. Returns the seconds taken."""
         if self.netns_fix is None:
             await self.probe()
         res = await _proc.run_detached(
-            self.argv(*args, log_dir=log_dir),
+            self.argv(*args, log_dir=log_dir, overlay=overlay),
             output=output,
             time_limit=time_limit,
             what=_what(args),
@@ -178,11 +193,12 @@ class Runsc:
         leave_running: bool,
         log_dir: Path | None = None,
         time_limit: float = 600.0,
+        overlay: str | None = None,
     ) -> None:
         args = ["checkpoint", f"--image-path={image_dir}", "--compression=none"]
         if leave_running:
             args.append("--leave-running")
-        await self(*args, cid, log_dir=log_dir, time_limit=time_limit)
+        await self(*args, cid, log_dir=log_dir, time_limit=time_limit, overlay=overlay)
 
     async def events_stats(self, cid: str) -> dict[str, Any]:
         out = await self("events", "--stats", cid, time_limit=30)

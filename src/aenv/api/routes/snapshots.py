@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from datetime import UTC, datetime
@@ -11,11 +12,13 @@ from fastapi import APIRouter, Depends, Query, Response
 from pydantic import Field
 
 from aenv import ENVD_VERSION
-from aenv.errors import BadRequest
+from aenv.builds.store import BuildRecord
+from aenv.errors import BadRequest, NotFound
 
 from ..auth import require_api_key
 from ..deps import OrchestratorDep
 from ..models import ErrorBody, Sandbox, _Request, _Response
+from .builds import BuilderDep, TemplateBuild
 from .sandboxes import NEXT_TOKEN_HEADER, _add_timing, server_timing
 
 router = APIRouter(
@@ -150,33 +153,99 @@ async def fork_sandbox(
     return out
 
 
+def _with_builds(info: TemplateInfo, builds: list[BuildRecord]) -> TemplateInfo:
+    """The template as its newest build shows it (a rebuild in flight: `building`)."""
+    if builds and builds[0].status in ("building", "waiting"):
+        info.build_status = builds[0].status
+        info.build_id = builds[0].build_id
+    info.build_count = max(1, len(builds))
+    return info
+
+
+def _pending_info(b: BuildRecord) -> TemplateInfo:
+    """A template that exists only as builds (the first one in flight, or failed)."""
+    names = b.names[:1]
+    created = datetime.fromtimestamp(b.created, UTC)
+    return TemplateInfo(
+        templateID=b.template_id,
+        buildID=b.build_id,
+        cpuCount=int(b.doc.get("cpu_count") or 2),
+        memoryMB=int(b.doc.get("memory_mb") or 512),
+        diskSizeMB=1024,
+        aliases=names,
+        names=names,
+        createdAt=created,
+        updatedAt=datetime.fromtimestamp(b.updated, UTC),
+        buildStatus=b.status,
+    )
+
+
 @router.get("/templates", summary="List templates")
 @router.get("/v2/templates", summary="List templates", include_in_schema=False)
-async def list_templates(orchestrator: OrchestratorDep) -> list[TemplateInfo]:
-    return [
-        TemplateInfo.from_doc(tid, doc, names)
-        for tid, doc, names in orchestrator.catalog.templates()
-        if not doc.get("internal")
-    ]
+async def list_templates(orchestrator: OrchestratorDep, builder: BuilderDep) -> list[TemplateInfo]:
+    templates = await asyncio.to_thread(orchestrator.catalog.templates)
+    latest = await asyncio.to_thread(builder.pending_templates)
+    by_template: dict[str, list[BuildRecord]] = {}
+    for b in latest:
+        by_template.setdefault(b.template_id, []).append(b)
+    out = []
+    for tid, doc, names in templates:
+        if doc.get("internal"):
+            continue
+        out.append(_with_builds(TemplateInfo.from_doc(tid, doc, names), by_template.pop(tid, [])))
+    out.extend(_pending_info(bs[0]) for bs in by_template.values())
+    return out
 
 
-@router.get("/templates/aliases/{alias}", summary="Resolve a template alias")
-async def template_alias(alias: str, orchestrator: OrchestratorDep) -> dict[str, Any]:
-    tid, _doc, _names = orchestrator.template(alias)
-    return {"templateID": tid, "public": False}
+@router.get(
+    "/templates/aliases/{alias:path}",
+    summary="Resolve a template alias",
+    responses={404: {"model": ErrorBody}},
+)
+async def template_alias(
+    alias: str, orchestrator: OrchestratorDep, builder: BuilderDep
+) -> dict[str, Any]:
+    found = await asyncio.to_thread(orchestrator.catalog.template, alias)
+    if found is not None and not found[1].get("internal"):
+        return {"templateID": found[0], "public": False}
+    for b in await asyncio.to_thread(builder.pending_templates):
+        if alias in b.names:
+            return {"templateID": b.template_id, "public": False}
+    raise NotFound(f"template alias {alias!r} not found")
 
 
 @router.get("/templates/{template_id:path}", summary="Get a template")
-async def get_template(template_id: str, orchestrator: OrchestratorDep) -> dict[str, Any]:
-    tid, doc, names = orchestrator.template(template_id)
-    info = TemplateInfo.from_doc(tid, doc, names).model_dump(by_alias=True, mode="json")
-    return {**info, "builds": []}
+async def get_template(
+    template_id: str, orchestrator: OrchestratorDep, builder: BuilderDep
+) -> dict[str, Any]:
+    found = await asyncio.to_thread(orchestrator.catalog.template, template_id)
+    if found is not None and not found[1].get("internal"):
+        tid, doc, names = found
+        builds = await asyncio.to_thread(builder.builds, tid)
+        info = _with_builds(TemplateInfo.from_doc(tid, doc, names), builds)
+    else:
+        pending = [
+            b
+            for b in await asyncio.to_thread(builder.pending_templates)
+            if template_id in (b.template_id, *b.names)
+        ]
+        if not pending:
+            raise NotFound(f"template {template_id!r} not found")
+        builds = await asyncio.to_thread(builder.builds, pending[0].template_id)
+        info = _pending_info(pending[0])
+    body = info.model_dump(by_alias=True, mode="json")
+    return {**body, "builds": [TemplateBuild.of(b).model_dump(mode="json") for b in builds]}
 
 
 @router.delete(
     "/templates/{template_id:path}", status_code=204, response_class=Response,
-    summary="Delete a template or snapshot",
+    summary="Delete a template or snapshot (cancels its builds)",
 )
-async def delete_template(template_id: str, orchestrator: OrchestratorDep) -> Response:
-    await orchestrator.delete_template(template_id)
+async def delete_template(
+    template_id: str, orchestrator: OrchestratorDep, builder: BuilderDep
+) -> Response:
+    found = await asyncio.to_thread(orchestrator.catalog.template, template_id)
+    had_builds = await builder.delete_template(found[0] if found else template_id)
+    if found is not None or not had_builds:
+        await orchestrator.delete_template(template_id)
     return Response(status_code=204)
