@@ -184,10 +184,7 @@ def _pending_info(b: BuildRecord) -> TemplateInfo:
 @router.get("/v2/templates", summary="List templates", include_in_schema=False)
 async def list_templates(orchestrator: OrchestratorDep, builder: BuilderDep) -> list[TemplateInfo]:
     templates = await asyncio.to_thread(orchestrator.catalog.templates)
-    latest = await asyncio.to_thread(builder.pending_templates)
-    by_template: dict[str, list[BuildRecord]] = {}
-    for b in latest:
-        by_template.setdefault(b.template_id, []).append(b)
+    by_template = await asyncio.to_thread(builder.by_template)
     out = []
     for tid, doc, names in templates:
         if doc.get("internal"):

@@ -1,0 +1,188 @@
+"""Builds, their log entries and the step cache, in SQLite ($AENV_HOME/builds.db).
+
+Calls are small and synchronous; the builder runs them in a worker thread where it matters.
+Log entries are numbered per build (`seq` from 0), which is what `logsOffset` counts.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS builds (
+    build_id    TEXT PRIMARY KEY,
+    template_id TEXT NOT NULL,
+    status      TEXT NOT NULL,
+    created     REAL NOT NULL,
+    updated     REAL NOT NULL,
+    doc         TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS builds_template ON builds (template_id, created);
+CREATE TABLE IF NOT EXISTS build_logs (
+    build_id TEXT NOT NULL,
+    seq      INTEGER NOT NULL,
+    ts       REAL NOT NULL,
+    level    TEXT NOT NULL,
+    message  TEXT NOT NULL,
+    step     TEXT,
+    PRIMARY KEY (build_id, seq)
+);
+CREATE TABLE IF NOT EXISTS step_cache (
+    key       TEXT PRIMARY KEY,
+    layer     TEXT NOT NULL,
+    created   REAL NOT NULL,
+    last_used REAL NOT NULL
+);
+"""
+
+LEVELS = ("debug", "info", "warn", "error")
+
+
+@dataclass
+class LogEntry:
+    seq: int
+    ts: float
+    level: str
+    message: str
+    step: str | None = None
+
+
+@dataclass
+class BuildRecord:
+    build_id: str
+    template_id: str
+    status: str  # waiting | building | ready | error
+    created: float
+    updated: float
+    # names, tags, cpu_count, memory_mb, spec (BuildSpec.to_json), reason {message, step},
+    # finished (epoch seconds)
+    doc: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        return [str(n) for n in self.doc.get("names") or []]
+
+    @property
+    def reason(self) -> dict[str, Any] | None:
+        r = self.doc.get("reason")
+        return r if isinstance(r, dict) else None
+
+
+class BuildStore:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _run(self, sql: str, args: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return self._db.execute(sql, tuple(args)).fetchall()
+
+    # --- builds ---
+    def put(self, b: BuildRecord) -> None:
+        b.updated = time.time()
+        self._run(
+            "INSERT INTO builds(build_id, template_id, status, created, updated, doc) "
+            "VALUES(?,?,?,?,?,?) ON CONFLICT(build_id) DO UPDATE SET "
+            "template_id=excluded.template_id, status=excluded.status, "
+            "updated=excluded.updated, doc=excluded.doc",
+            (b.build_id, b.template_id, b.status, b.created, b.updated, json.dumps(b.doc)),
+        )
+
+    @staticmethod
+    def _row(row: tuple[Any, ...]) -> BuildRecord:
+        bid, tid, status, created, updated, doc = row
+        return BuildRecord(bid, tid, status, float(created), float(updated), json.loads(doc))
+
+    def get(self, build_id: str) -> BuildRecord | None:
+        rows = self._run(
+            "SELECT build_id, template_id, status, created, updated, doc FROM builds "
+            "WHERE build_id=?",
+            (build_id,),
+        )
+        return self._row(rows[0]) if rows else None
+
+    def for_template(self, template_id: str) -> list[BuildRecord]:
+        """Newest first."""
+        rows = self._run(
+            "SELECT build_id, template_id, status, created, updated, doc FROM builds "
+            "WHERE template_id=? ORDER BY created DESC",
+            (template_id,),
+        )
+        return [self._row(r) for r in rows]
+
+    def all(self) -> list[BuildRecord]:
+        rows = self._run(
+            "SELECT build_id, template_id, status, created, updated, doc FROM builds "
+            "ORDER BY created DESC"
+        )
+        return [self._row(r) for r in rows]
+
+    def unfinished(self) -> list[BuildRecord]:
+        rows = self._run(
+            "SELECT build_id, template_id, status, created, updated, doc FROM builds "
+            "WHERE status IN ('waiting', 'building')"
+        )
+        return [self._row(r) for r in rows]
+
+    def delete_template(self, template_id: str) -> None:
+        with self._lock:
+            ids = [
+                r[0]
+                for r in self._db.execute(
+                    "SELECT build_id FROM builds WHERE template_id=?", (template_id,)
+                )
+            ]
+            self._db.executemany("DELETE FROM build_logs WHERE build_id=?", [(i,) for i in ids])
+            self._db.execute("DELETE FROM builds WHERE template_id=?", (template_id,))
+
+    # --- logs ---
+    def add_logs(self, build_id: str, entries: list[LogEntry]) -> None:
+        if not entries:
+            return
+        with self._lock:
+            self._db.executemany(
+                "INSERT OR REPLACE INTO build_logs(build_id, seq, ts, level, message, step) "
+                "VALUES(?,?,?,?,?,?)",
+                [(build_id, e.seq, e.ts, e.level, e.message, e.step) for e in entries],
+            )
+
+    def logs(self, build_id: str) -> list[LogEntry]:
+        rows = self._run(
+            "SELECT seq, ts, level, message, step FROM build_logs WHERE build_id=? ORDER BY seq",
+            (build_id,),
+        )
+        return [LogEntry(int(s), float(t), str(lv), str(m), st) for s, t, lv, m, st in rows]
+
+    # --- step cache ---
+    def cached(self, key: str) -> str | None:
+        rows = self._run("SELECT layer FROM step_cache WHERE key=?", (key,))
+        if not rows:
+            return None
+        self._run("UPDATE step_cache SET last_used=? WHERE key=?", (time.time(), key))
+        return str(rows[0][0])
+
+    def cache(self, key: str, layer: str) -> None:
+        now = time.time()
+        self._run(
+            "INSERT INTO step_cache(key, layer, created, last_used) VALUES(?,?,?,?) "
+            "ON CONFLICT(key) DO UPDATE SET layer=excluded.layer, last_used=excluded.last_used",
+            (key, layer, now, now),
+        )
+
+    def uncache(self, key: str) -> None:
+        self._run("DELETE FROM step_cache WHERE key=?", (key,))
