@@ -54,8 +54,13 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+from .snapshots import fork as fork_command  # noqa: E402
+from .snapshots import snapshot_app  # noqa: E402
+
 template_app = typer.Typer(help="Manage templates.", no_args_is_help=True)
 app.add_typer(template_app, name="template")
+app.add_typer(snapshot_app, name="snapshot")
+app.command("fork")(fork_command)
 register_bench(app)  # `aenv bench` (cli/bench.py; the harness is in bench/)
 
 

@@ -1,0 +1,200 @@
+"""`aenv bench`: runs the benchmark harness in `bench/` (source tree) and prints its table.
+
+The harness lives beside the package (`bench/`, not installed), so this module finds it from
+its own location in the source tree (`make bench` runs the editable install in `.venv`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from .errors import CliError
+
+_SOURCE_ROOT = Path(__file__).resolve().parents[3]
+
+
+def _harness() -> Any:
+    if (_SOURCE_ROOT / "bench" / "harness.py").is_file() and str(_SOURCE_ROOT) not in sys.path:
+        sys.path.insert(0, str(_SOURCE_ROOT))
+    try:
+        return importlib.import_module("bench.harness")
+    except ImportError as exc:
+        raise CliError(
+            f"the benchmark harness (bench/ in the aenv source tree) cannot be loaded: {exc}"
+        ) from None
+
+
+class RichProgress:
+    """The harness's progress callbacks on a rich progress bar (stderr)."""
+
+    def __init__(self) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        from .output import console
+
+        self.console = console(stderr=True)
+        self._bar = Progress(
+            SpinnerColumn(),
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=False,
+        )
+        self._task: Any = None
+        self._t0 = time.monotonic()
+
+    def __enter__(self) -> RichProgress:
+        self._bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._finish()
+        self._bar.stop()
+
+    def _finish(self) -> None:
+        if self._task is not None:
+            task = self._bar.tasks[-1]
+            self._bar.update(self._task, completed=task.total)
+            self._task = None
+
+    def step(self, label: str, total: int) -> None:
+        self._finish()
+        self._task = self._bar.add_task(label, total=max(1, total))
+
+    def advance(self, n: int = 1) -> None:
+        if self._task is not None:
+            self._bar.advance(self._task, n)
+
+    def log(self, message: str) -> None:
+        from rich.markup import escape
+
+        self._bar.console.print(f"[dim]{escape(message)}[/]", highlight=False)
+
+
+def _print_table(doc: dict[str, Any], report: Any) -> None:
+    from rich.table import Table
+
+    from .output import print_table
+
+    table = Table(title="aenv bench" + f" ({doc.get('config', {}).get('mode', '')})")
+    for i, header in enumerate(report.HEADERS):
+        table.add_column(header, justify="right" if 0 < i < 6 else "left", no_wrap=i == 0)
+    table.add_column("note", overflow="fold", max_width=60)
+    for cells in report.table_rows(doc):
+        *main, note = cells
+        met = main[7]
+        style = {"✔": "green", "✘": "red"}.get(met, "")
+        main[7] = f"[{style}]{met}[/]" if style else met
+        table.add_row(*main, f"[dim]{note}[/]" if note else "")
+    print_table(table)
+
+
+def bench(
+    ctx: typer.Context,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Few samples per row (under 2 minutes).")
+    ] = False,
+    url: Annotated[
+        str | None,
+        typer.Option(
+            "--url", help="Measure this server instead of starting one (default: start one)."
+        ),
+    ] = None,
+    api_key: Annotated[
+        str | None, typer.Option("--api-key", help="API key of the --url server.")
+    ] = None,
+    cold_url: Annotated[
+        str | None,
+        typer.Option(
+            "--cold-url",
+            help="With --url: a server with AENV_NET_POOL_SIZE=0 AENV_HIBERNATE_AFTER=0 for the "
+            "no-pool and hibernate rows.",
+        ),
+    ] = None,
+    baseline: Annotated[
+        bool, typer.Option("--baseline/--no-baseline", help="Also time raw runsc.")
+    ] = True,
+    only: Annotated[
+        str | None,
+        typer.Option("--only", metavar="ROWS", help="Comma-separated row names to measure."),
+    ] = None,
+    results_dir: Annotated[
+        Path | None,
+        typer.Option("--results-dir", help="Where latest.json goes (default: bench/results)."),
+    ] = None,
+    logs: Annotated[
+        Path | None,
+        typer.Option("--logs", metavar="DIR", help="Keep the started servers' logs in DIR."),
+    ] = None,
+) -> None:
+    """Benchmark a server through its HTTP API (and raw runsc as the baseline); writes
+    bench/results/latest.json and prints the table."""
+    harness = _harness()
+    report = importlib.import_module("bench.report")
+    state = ctx.find_root().obj
+    # The global `aenv --url/--api-key` count too; without any URL the bench starts a server.
+    url = url or getattr(state, "url_option", None)
+    if url:
+        api_key = api_key or getattr(state, "api_key_option", None)
+        if not api_key and state is not None and hasattr(state, "api_key"):
+            api_key = state.api_key()[0]
+        if not api_key:
+            raise CliError("--url needs --api-key (or AENV_API_KEY)")
+    if (not url or baseline) and os.geteuid() != 0:
+        raise CliError(
+            "the bench needs root (it starts servers and runs runsc); "
+            "use --url with --no-baseline otherwise"
+        )
+    rows: set[str] | None = None
+    if only:
+        rows = {r.strip() for r in only.split(",") if r.strip()}
+        unknown = rows - set(report.REQUIRED)
+        if unknown:
+            raise CliError(f"unknown rows: {', '.join(sorted(unknown))}")
+    opts = harness.Options(
+        quick=quick,
+        url=url,
+        api_key=api_key,
+        cold_url=cold_url,
+        baseline=baseline,
+        only=rows,
+        results_dir=results_dir or harness.RESULTS_DIR,
+        logs_dir=logs,
+    )
+    t0 = time.monotonic()
+    bench_error = importlib.import_module("bench.client").BenchError
+    with RichProgress() as progress:
+        try:
+            doc = asyncio.run(harness.run(opts, progress))
+        except bench_error as exc:
+            raise CliError(str(exc)) from None
+        except asyncio.CancelledError:  # SIGTERM/SIGHUP, after the clean-up
+            sys.stderr.write("aenv: bench stopped; everything it started was removed\n")
+            raise typer.Exit(143) from None
+    _print_table(doc, report)
+    out = opts.results_dir / "latest.json"
+    sys.stderr.write(
+        f"aenv: bench finished in {time.monotonic() - t0:.0f}s; results in {out} "
+        f"(Markdown: .venv/bin/python bench/report.py)\n"
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench")(bench)

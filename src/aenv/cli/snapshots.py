@@ -1,0 +1,97 @@
+"""`aenv snapshot create|ls` and `aenv fork`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from .client import _seg
+from .output import console, print_json, print_table
+
+snapshot_app = typer.Typer(help="Snapshots: templates made from running sandboxes.", no_args_is_help=True)
+
+
+def _control(ctx: typer.Context) -> Any:
+    from .main import _state
+
+    return _state(ctx).control()
+
+
+@snapshot_app.command("create")
+def snapshot_create(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="Sandbox ID.")],
+    name: Annotated[str | None, typer.Option("--name", "-n", help="A name to create from.")] = None,
+) -> None:
+    """Snapshot a sandbox (files, memory, processes); it keeps running. Prints the id."""
+    body: dict[str, Any] = {} if name is None else {"name": name}
+    with _control(ctx) as cp:
+        resp = cp.request("POST", f"/sandboxes/{_seg(sandbox_id)}/snapshots", json=body, ok=(201,))
+    data = resp.json()
+    print(data["snapshotID"])
+    timing = resp.headers.get("server-timing")
+    if timing:
+        console(stderr=True).print(f"stages: {timing}", style="dim", markup=False)
+
+
+@snapshot_app.command("ls")
+def snapshot_ls(
+    ctx: typer.Context,
+    sandbox_id: Annotated[
+        str | None, typer.Option("--sandbox-id", "-s", help="Only snapshots of this sandbox.")
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List snapshots."""
+    params = {"sandboxID": sandbox_id} if sandbox_id else {}
+    items: list[dict[str, Any]] = []
+    with _control(ctx) as cp:
+        token: str | None = None
+        while True:
+            q = dict(params, **({"nextToken": token} if token else {}))
+            resp = cp.request("GET", "/snapshots", params=q)
+            items.extend(resp.json())
+            token = resp.headers.get("x-next-token")
+            if not token:
+                break
+    if json_out:
+        print_json(items)
+        return
+    if not items:
+        console(stderr=True).print("no snapshots", style="dim")
+        return
+    table = Table("SNAPSHOT", "NAMES")
+    for s in items:
+        table.add_row(str(s["snapshotID"]), ", ".join(s.get("names") or []))
+    print_table(table)
+
+
+def fork(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="Sandbox ID.")],
+    count: Annotated[int, typer.Option("--count", "-c", min=1, max=20, help="Children.")] = 1,
+    timeout: Annotated[
+        int | None, typer.Option("--timeout", "-t", min=1, help="Children's lifetime (s).")
+    ] = None,
+) -> None:
+    """Fork a running sandbox into N children that continue from its memory; prints their
+    ids (a failed child is reported on stderr and makes the exit code 1)."""
+    body: dict[str, Any] = {"count": count}
+    if timeout is not None:
+        body["timeout"] = timeout
+    with _control(ctx) as cp:
+        resp = cp.request("POST", f"/sandboxes/{_seg(sandbox_id)}/fork", json=body, ok=(201,))
+    failed = 0
+    for entry in resp.json():
+        if entry.get("sandbox"):
+            print(entry["sandbox"]["sandboxID"])
+        else:
+            failed += 1
+            err = entry.get("error") or {}
+            console(stderr=True).print(
+                f"aenv: a child failed: {err.get('message', 'unknown error')}", markup=False
+            )
+    if failed:
+        raise typer.Exit(1)

@@ -1,0 +1,115 @@
+"""The `aenv` CLI against a real server: exec, ls, rm, start (PTY), snapshot, fork."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import subprocess
+import time
+
+import pytest
+
+from .conftest import AENV, Server
+
+pytestmark = pytest.mark.integration
+
+
+def aenv(
+    server: Server, *args: str, check: bool = True, input: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, AENV_URL=server.url, AENV_API_KEY=server.api_key)
+    proc = subprocess.run(
+        [AENV, *args], env=env, capture_output=True, text=True, timeout=120, input=input
+    )
+    if check:
+        assert proc.returncode == 0, (args, proc.stdout, proc.stderr)
+    return proc
+
+
+def test_start_exec_ls_rm(server: Server) -> None:
+    sid = aenv(server, "start", "--detach", "-m", "via=cli").stdout.strip()
+    try:
+        out = aenv(
+            server,
+            "exec",
+            sid,
+            "--",
+            "sh",
+            "-c",
+            "echo to-out; echo to-err >&2; exit 4",
+            check=False,
+        )
+        assert out.returncode == 4
+        assert out.stdout == "to-out\n" and out.stderr == "to-err\n"
+        assert sid in aenv(server, "ls").stdout
+        listed = aenv(server, "ls", "-m", "via=cli", "-o", "json").stdout
+        assert sid in listed
+    finally:
+        aenv(server, "rm", sid)
+    gone = aenv(server, "rm", sid, check=False)
+    assert (
+        gone.returncode == 1
+        and gone.stderr.startswith("aenv: ")
+        and len(gone.stderr.splitlines()) == 1
+    )
+
+
+def test_interactive_start_through_a_pty(server: Server) -> None:
+    env = dict(os.environ, AENV_URL=server.url, AENV_API_KEY=server.api_key, TERM="xterm")
+    pid, fd = pty.fork()
+    if pid == 0:  # child: the CLI on a real terminal
+        os.execve(AENV, [AENV, "start", "base"], env)
+    out = b""
+
+    def read_until(marker: bytes, timeout: float = 60) -> None:
+        nonlocal out
+        deadline = time.time() + timeout
+        while marker not in out:
+            assert time.time() < deadline, out[-2000:]
+            r, _, _ = select.select([fd], [], [], 0.5)
+            if r:
+                try:
+                    out += os.read(fd, 65536)
+                except OSError:
+                    break
+
+    read_until(b"$ ")
+    os.write(fd, b"echo answer-$((6*7)); whoami\r")
+    read_until(b"answer-42")
+    os.write(fd, b"exit\r")
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        r, _, _ = select.select([fd], [], [], 0.5)
+        if r:
+            try:
+                out += os.read(fd, 65536)
+            except OSError:
+                pass
+    else:
+        os.kill(pid, 9)
+        pytest.fail("aenv start did not exit")
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert b"user" in out
+
+
+def test_snapshot_and_fork_commands(server: Server) -> None:
+    sid = aenv(server, "start", "--detach").stdout.strip()
+    kids: list[str] = []
+    try:
+        aenv(server, "exec", sid, "--", "sh", "-c", "echo parent > ~/who")
+        snap = aenv(server, "snapshot", "create", sid, "--name", f"cli-{sid}").stdout.strip()
+        assert snap in aenv(server, "snapshot", "ls", "--sandbox-id", sid).stdout
+        kids = aenv(server, "fork", sid, "--count", "2").stdout.split()
+        assert len(kids) == 2
+        for k in kids:
+            assert aenv(server, "exec", k, "--", "cat", "/home/user/who").stdout == "parent\n"
+        aenv(server, "pause", sid)
+        aenv(server, "resume", sid)
+        assert aenv(server, "exec", sid, "--", "echo", "back").stdout == "back\n"
+        aenv(server, "template", "rm", snap)
+    finally:
+        aenv(server, "rm", sid, *kids, check=False)
