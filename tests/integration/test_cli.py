@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pty
 import select
@@ -85,10 +86,8 @@ def test_interactive_start_through_a_pty(server: Server) -> None:
             break
         r, _, _ = select.select([fd], [], [], 0.5)
         if r:
-            try:
+            with contextlib.suppress(OSError):
                 out += os.read(fd, 65536)
-            except OSError:
-                pass
     else:
         os.kill(pid, 9)
         pytest.fail("aenv start did not exit")

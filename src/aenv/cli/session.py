@@ -202,8 +202,10 @@ def run_command(
         raise CliError("the command stream ended before the process started")
     if end is None:
         raise CliError("the command ended without an end event")
-    if end.get("error"):
-        print(f"aenv: {end['error']}", file=sys.stderr)
+    error = str(end.get("error") or "")
+    # "exit status N" / "signal: killed" only restate the exit code we return.
+    if error and error != end.get("status") and not _EXIT_RE.fullmatch(error):
+        print(f"aenv: {error}", file=sys.stderr)
     return exit_code_of(end)
 
 
