@@ -7,6 +7,9 @@ When started as PID 1 (the first process of a container), it forks: the parent
 stays PID 1, reaps every zombie (orphans are re-parented to it) and forwards
 SIGTERM/SIGINT/SIGHUP to the child, which runs the server. The parent exits
 with the child's status. ``AENV_ENVD_NO_REAPER=1`` disables the fork.
+
+The sudo service (``sudo_service``) listens on ``$AENV_ENVD_SUDO_SOCKET``, which defaults
+to ``/run/aenv/sudo.sock`` only in a sandbox (PID 1 from the runtime bundle).
 """
 
 from __future__ import annotations
@@ -71,8 +74,17 @@ def _reap_forever(child: int) -> None:
             os._exit(code if code >= 0 else 128 - code)
 
 
+def _is_sandbox_init() -> bool:
+    """PID 1 started from the runtime bundle (not a test or a developer's shell)."""
+    return os.getpid() == 1 and os.path.isfile(os.path.join(sys.prefix, "bundle.json"))
+
+
 def main(argv: list[str] | None = None) -> None:
     host, port = parse_args(sys.argv[1:] if argv is None else argv)
+    from .sudo import DEFAULT_SOCKET, SOCKET_ENV
+
+    if _is_sandbox_init():  # the sudo service: on by default in sandboxes only
+        os.environ.setdefault(SOCKET_ENV, DEFAULT_SOCKET)
     if os.getpid() == 1 and os.environ.get("AENV_ENVD_NO_REAPER") != "1":
         child = os.fork()
         if child > 0:

@@ -342,6 +342,36 @@ def _set_winsize(fd: int, cols: int, rows: int) -> None:
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
+def session_winch(sid: int) -> None:
+    """SIGWINCH to every process group of session `sid` (the foreground one among them)."""
+    pgrps: set[int] = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            # after "pid (comm) ": state ppid pgrp session ...
+            fields = stat[stat.rfind(b")") + 2 :].split()
+            if int(fields[3]) == sid:
+                pgrps.add(int(fields[2]))
+        except (OSError, ValueError, IndexError):
+            continue
+    for pgrp in pgrps:
+        with contextlib.suppress(OSError):
+            os.killpg(pgrp, signal.SIGWINCH)
+
+
+def notify_winch(master: int, sid: int) -> None:
+    """After a resize on the master side, Linux signals the terminal's foreground process
+    group; gVisor (20240729) does not, and cannot tell which group that is (TIOCGPGRP on a
+    master is ENOTTY): then every group of the terminal's session gets SIGWINCH."""
+    try:
+        os.tcgetpgrp(master)
+    except OSError:
+        session_winch(sid)
+
+
 def _pty_size(pty: Msg) -> tuple[int, int]:
     size = as_msg(pty.get("size"), "pty.size")
     cols = as_int(size.get("cols"), "cols", 80) or 80
@@ -575,6 +605,7 @@ class ProcessManager:
                 _set_winsize(proc.pty_fd, cols, rows)
             except OSError as e:
                 raise RPCError("internal", f"resize failed: {e}") from None
+            notify_winch(proc.pty_fd, proc.pid)  # setsid: the session is the pid
         return {}
 
     def methods(self) -> dict[str, Method]:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Settings
+from ..envd.sudo import SHIM_SCRIPT as SUDO_SHIM
 from ..errors import AenvError
 from ..orchestrator.catalog import Catalog
 from .layers import LayerStore, tree_digest
@@ -57,7 +58,8 @@ USER_NAME = "user"
 USER_UID = 1000
 HOSTNAME = "sandbox"
 # Bump when the post-debootstrap setup (users, files, cleanup) changes: gives a new cache dir.
-SETUP_VERSION = 1
+# 2: /usr/bin/sudo is envd's sudo shim (Debian's binary diverted to /usr/bin/sudo.distrib).
+SETUP_VERSION = 2
 
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 DEFAULT_SECURITY_MIRROR = "http://deb.debian.org/debian-security"
@@ -79,6 +81,8 @@ def recipe() -> dict[str, Any]:
         "packages": sorted(PACKAGES),
         "user": [USER_NAME, USER_UID],
         "setup_version": SETUP_VERSION,
+        # the shim installed as /usr/bin/sudo: a changed shim gives a new base
+        "sudo_shim": hashlib.sha256(SUDO_SHIM.encode()).hexdigest()[:16],
     }
 
 
@@ -266,6 +270,11 @@ def configure_rootfs(rootfs: Path, main_mirror: str, security_mirror: str) -> No
         f"{USER_NAME} ALL=(ALL:ALL) NOPASSWD: ALL\n",
         0o440,
     )
+    # gVisor sets no_new_privs on every process, so setuid sudo cannot become root: the
+    # sudo command asks envd instead (aenv.envd.sudo). Debian's binary stays, diverted, so
+    # that upgrades of the sudo package do not overwrite the shim.
+    _chroot(rootfs, "dpkg-divert", "--local", "--rename", "--add", "/usr/bin/sudo")
+    _write(rootfs / "usr/bin/sudo", SUDO_SHIM, 0o755)
     _write(rootfs / "etc/hostname", f"{HOSTNAME}\n")
     _write(
         rootfs / "etc/hosts",

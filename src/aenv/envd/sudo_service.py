@@ -1,0 +1,571 @@
+"""The privileged exec service behind the sandbox's ``sudo`` (client: ``sudo.py``).
+
+envd (root) listens on a unix socket inside the sandbox (``/run/aenv/sudo.sock``, mode 0666
+in a root-owned 0755 directory; ``$AENV_ENVD_SUDO_SOCKET`` moves it, ``off`` disables it;
+outside a sandbox, i.e. unless envd is PID 1 from the runtime bundle, it is off by default).
+Per connection:
+
+1. The client sends one frame (4-byte big-endian length + JSON object) and, with its
+   first byte, its credentials (SCM_CREDENTIALS: pid, uid, gid; the kernel refuses ids
+   the sender does not have) and three fds (SCM_RIGHTS): the command's stdin, stdout and
+   stderr.
+2. Allowed: uid 0 or a user whose groups (``/etc/passwd`` + ``/etc/group``, or the gid
+   sent) include ``sudo``, ``wheel`` or ``admin``; sudoers is not parsed. Refused →
+   ``{"error", "exit": 1}``. (Not SO_PEERCRED: runsc 20240729 answers it with the
+   credentials of the listening process, i.e. root, whoever connected.)
+3. envd starts the command as the target user (root by default) in a new session on the
+   received fds (``tty``: fd 0 becomes its controlling terminal), replies
+   ``{"started": pid}``, then relays ``{"signal": n}`` frames to the command's process
+   group (``{"winch": true}``: SIGWINCH to the command's session, after the client resized
+   the command's pty where the kernel does not signal it) and finally replies ``{"exit": code, "signal":
+   n|null}`` (code 128+n when killed by signal n). If the client goes away first, the
+   process group is SIGKILLed.
+
+``{"op": "check"}`` requests (``sudo -v``/``-l``) carry no fds and get ``{"ok": true,
+"user", "host"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import struct
+import threading
+from typing import TYPE_CHECKING, Any
+
+from .httpserver import log
+from .state import DEFAULT_PATH, User, _strip_launcher_env
+from .sudo import (
+    PROTOCOL,
+    SCM_CREDENTIALS,
+    SO_PASSCRED,
+    SOCKET_ENV,
+    SUDO_GROUPS,
+    FrameError,
+    encode_frame,
+    take_frames,
+)
+
+if TYPE_CHECKING:
+    from .state import State
+
+REQUEST_TIMEOUT = 30.0
+MAX_FDS = 3
+ANC_SPACE = socket.CMSG_SPACE(MAX_FDS * 4) + socket.CMSG_SPACE(12)
+# Relayed to the command on the client's request.
+ALLOWED_SIGNALS = {
+    signal.SIGHUP,
+    signal.SIGINT,
+    signal.SIGQUIT,
+    signal.SIGTERM,
+    signal.SIGKILL,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGALRM,
+    signal.SIGWINCH,
+    signal.SIGSTOP,
+    signal.SIGCONT,
+}
+# sudo's default env_keep (plus what env_reset always keeps); LC_* is matched by prefix.
+ENV_KEEP = frozenset(
+    {
+        "COLORS",
+        "DISPLAY",
+        "HOSTNAME",
+        "KRB5CCNAME",
+        "LS_COLORS",
+        "PS1",
+        "PS2",
+        "TERM",
+        "TZ",
+        "XAUTHORITY",
+        "XAUTHORIZATION",
+        "XDG_CURRENT_DESKTOP",
+        "LANG",
+        "LANGUAGE",
+        "LINGUAS",
+        "COLORTERM",
+    }
+)
+
+
+class Refused(Exception):
+    """The request is not allowed or cannot be carried out: the sudo-style message."""
+
+
+def _keep_var(name: str) -> bool:
+    return name in ENV_KEEP or name.startswith("LC_")
+
+
+def shell_quote_sudo(args: list[str]) -> str:
+    """The command line sudo hands to ``shell -c`` for ``-s``/``-i``: every character but
+    alphanumerics, ``_``, ``-`` and ``$`` backslash-escaped."""
+    out = []
+    for a in args:
+        out.append("".join(c if c.isalnum() or c in "_-$" else "\\" + c for c in a))
+    return " ".join(out)
+
+
+def _str_map(value: object, what: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise Refused(f"sudo: bad request: {what} must be an object of strings")
+    return value
+
+
+def _which(cmd: str, path: str) -> str | None:
+    for d in path.split(":"):
+        if not d:
+            continue
+        p = os.path.join(d, cmd)
+        if os.path.isfile(p) and os.access(p, os.X_OK):
+            return p
+    return None
+
+
+class Plan:
+    """What to run, as whom, where, with which environment."""
+
+    def __init__(self) -> None:
+        self.executable = ""
+        self.argv: list[str] = []
+        self.env: dict[str, str] = {}
+        self.cwd = "/"
+        self.uid = 0
+        self.gid = 0
+        self.groups: list[int] = []
+        self.umask = 0o022
+        self.tty = False
+
+
+class SudoService:
+    def __init__(self, state: State, path: str) -> None:
+        self.state = state
+        self.path = path
+        self.sock: socket.socket | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # -- listening ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        d = os.path.dirname(self.path) or "."
+        os.makedirs(d, mode=0o755, exist_ok=True)
+        st = os.lstat(d)
+        if st.st_uid != os.geteuid():
+            raise OSError(f"{d} is not owned by uid {os.geteuid()}")
+        os.chmod(d, 0o755)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # stale, from before a restart
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, SO_PASSCRED, 1)
+            sock.bind(self.path)
+            os.chmod(self.path, 0o666)
+            sock.listen(64)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self.loop.add_reader(sock.fileno(), self._accept)
+
+    def close(self) -> None:
+        if self.sock is None:
+            return
+        if self.loop is not None:
+            with contextlib.suppress(Exception):
+                self.loop.remove_reader(self.sock.fileno())
+        self.sock.close()
+        self.sock = None
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+    def _accept(self) -> None:
+        assert self.sock is not None and self.loop is not None
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                log(f"sudo: accept failed: {e}")
+                return
+            conn.setblocking(False)
+            task = self.loop.create_task(self._serve(conn))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    # -- one connection ---------------------------------------------------------------------
+
+    async def _serve(self, conn: socket.socket) -> None:
+        fds: list[int] = []
+        creds: list[tuple[int, int, int]] = []
+        try:
+            conn.setsockopt(socket.SOL_SOCKET, SO_PASSCRED, 1)
+            buf = bytearray()
+            try:
+                req = await asyncio.wait_for(
+                    self._read_request(conn, buf, fds, creds), REQUEST_TIMEOUT
+                )
+            except (TimeoutError, FrameError, ConnectionError, EOFError):
+                return
+            try:
+                if not creds:
+                    raise Refused("sudo: the request carries no credentials")
+                pid, uid, gid = creds[0]
+                self._authorize(uid, gid)
+                if req.get("v") != PROTOCOL:
+                    raise Refused(f"sudo: unsupported protocol version {req.get('v')!r}")
+                op = req.get("op")
+                if op == "check":
+                    caller = self.state.users.by_uid(uid)
+                    await self._send(
+                        conn,
+                        {
+                            "ok": True,
+                            "user": caller.name if caller else str(uid),
+                            "host": socket.gethostname(),
+                        },
+                    )
+                    return
+                if op != "run":
+                    raise Refused(f"sudo: bad request: unknown op {op!r}")
+                if len(fds) != 3:
+                    raise Refused("sudo: bad request: expected stdin, stdout and stderr fds")
+                plan = self.plan(req, uid, gid)
+                popen = self._spawn(plan, fds)
+            except Refused as e:
+                await self._send(conn, {"error": str(e), "exit": 1})
+                return
+            finally:
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                fds.clear()
+            log(f"sudo: uid {uid} (pid {pid}) runs {plan.argv[:8]!r} as uid {plan.uid}")
+            await self._supervise(conn, popen, buf)
+        except Exception as e:  # never take envd down
+            log(f"sudo: connection failed: {e!r}")
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            conn.close()
+
+    async def _read_request(
+        self,
+        conn: socket.socket,
+        buf: bytearray,
+        fds: list[int],
+        creds: list[tuple[int, int, int]],
+    ) -> dict[str, Any]:
+        """The first frame; `fds` and `creds` get what came with its first byte."""
+        assert self.loop is not None
+        first = True
+        while True:
+            frames = take_frames(buf)
+            if frames:
+                return frames[0]  # frames after it (signals) are read later
+            try:
+                data, anc, flags, _ = conn.recvmsg(65536, ANC_SPACE, socket.MSG_CMSG_CLOEXEC)
+            except (BlockingIOError, InterruptedError):
+                await self._readable(conn)
+                continue
+            for level, kind, payload in anc:
+                if level != socket.SOL_SOCKET:
+                    continue
+                if kind == socket.SCM_RIGHTS:
+                    n = len(payload) // 4
+                    fds.extend(struct.unpack(f"{n}i", payload[: n * 4]))
+                elif kind == SCM_CREDENTIALS and first and len(payload) >= 12:
+                    pid, uid, gid = struct.unpack("3i", payload[:12])
+                    creds.append((pid, uid, gid))
+            if flags & socket.MSG_CTRUNC or len(fds) > MAX_FDS:
+                raise FrameError("too many fds")
+            if not data:
+                raise EOFError
+            first = False
+            buf += data
+
+    async def _readable(self, conn: socket.socket) -> None:
+        assert self.loop is not None
+        fut: asyncio.Future[None] = self.loop.create_future()
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        self.loop.add_reader(conn.fileno(), ready)
+        try:
+            await fut
+        finally:
+            self.loop.remove_reader(conn.fileno())
+
+    async def _send(self, conn: socket.socket, msg: dict[str, Any]) -> None:
+        assert self.loop is not None
+        with contextlib.suppress(OSError):
+            await self.loop.sock_sendall(conn, encode_frame(msg))
+
+    def _authorize(self, uid: int, gid: int) -> None:
+        if uid == 0:
+            return
+        users = self.state.users
+        caller = users.by_uid(uid)
+        gids = {gid, *(caller.groups if caller else ())}
+        if any(users.gid_name(g) in SUDO_GROUPS for g in gids):
+            return
+        name = caller.name if caller else str(uid)
+        raise Refused(f"{name} is not in the sudoers file.")
+
+    # -- what to run ------------------------------------------------------------------------
+
+    def _target(self, req: dict[str, Any], uid: int, gid: int) -> tuple[User, int]:
+        users = self.state.users
+        user_s, group_s = req.get("user"), req.get("group")
+        if user_s is not None and not isinstance(user_s, str):
+            raise Refused("sudo: bad request: user")
+        if group_s is not None and not isinstance(group_s, str):
+            raise Refused("sudo: bad request: group")
+        if user_s:
+            if user_s.startswith("#") and user_s[1:].isdigit():
+                target = users.by_uid(int(user_s[1:]))
+            else:
+                target = users.get(user_s)
+            if target is None:
+                raise Refused(f"sudo: unknown user {user_s}")
+        elif group_s:  # -g without -u: the invoking user with another group
+            target = users.by_uid(uid) or User(str(uid), uid, gid, "/", "/bin/sh")
+        else:
+            target = users.get("root") or User("root", 0, 0, "/root", "/bin/sh", (0,))
+        primary = target.gid
+        if group_s:
+            if group_s.startswith("#") and group_s[1:].isdigit():
+                primary = int(group_s[1:])
+            else:
+                g = users.group_gid(group_s)
+                if g is None:
+                    raise Refused(f"sudo: unknown group {group_s}")
+                primary = g
+        return target, primary
+
+    def plan(self, req: dict[str, Any], uid: int, gid: int) -> Plan:
+        """The sudo semantics: target user, environment (env_reset), argv, cwd."""
+        users = self.state.users
+        argv = req.get("argv") or []
+        if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+            raise Refused("sudo: bad request: argv must be a list of strings")
+        caller_env = _strip_launcher_env(_str_map(req.get("env"), "env"))
+        assign = _str_map(req.get("assign"), "assign")
+        keep = req.get("keep") or []
+        if not isinstance(keep, list) or not all(isinstance(k, str) for k in keep):
+            raise Refused("sudo: bad request: keep must be a list of strings")
+        login = bool(req.get("login"))
+        shell = bool(req.get("shell"))
+        target, primary = self._target(req, uid, gid)
+        caller = users.by_uid(uid)
+        caller_name = caller.name if caller else str(uid)
+
+        # environment
+        if req.get("preserve_env") and not login:
+            env = dict(caller_env)
+            if req.get("set_home"):
+                env["HOME"] = target.home
+        else:
+            env = {k: v for k, v in caller_env.items() if _keep_var(k) or k in keep}
+            env["HOME"] = target.home
+            env["SHELL"] = target.shell or "/bin/sh"
+            env["MAIL"] = f"/var/mail/{target.name}"
+        if "SUDO_PS1" in caller_env:
+            env["PS1"] = caller_env["SUDO_PS1"]
+        env["PATH"] = DEFAULT_PATH if "PATH" not in keep else caller_env.get("PATH", DEFAULT_PATH)
+        env["USER"] = env["LOGNAME"] = target.name
+        env["SUDO_USER"] = caller_name
+        env["SUDO_UID"] = str(uid)
+        env["SUDO_GID"] = str(caller.gid if caller else gid)
+
+        # argv
+        cwd_req = req.get("cwd") if isinstance(req.get("cwd"), str) else None
+        chdir = req.get("chdir") if isinstance(req.get("chdir"), str) else None
+        if login or shell:
+            if login:
+                sh = target.shell or "/bin/sh"
+            else:
+                sh = caller_env.get("SHELL") or (caller.shell if caller else "") or "/bin/sh"
+            executable = sh
+            arg0 = "-" + os.path.basename(sh) if login else sh
+            full = [arg0, "-c", shell_quote_sudo(argv)] if argv else [arg0]
+            command_line = " ".join([sh, *full[1:]])
+        else:
+            if not argv:
+                raise Refused("sudo: no command given")
+            cmd = argv[0]
+            if "/" in cmd:
+                base = chdir or cwd_req or "/"
+                resolved: str | None = os.path.join(base, cmd)
+                if not os.path.exists(resolved or ""):
+                    resolved = None
+            else:
+                resolved = _which(cmd, env["PATH"])
+            if resolved is None:
+                raise Refused(f"sudo: {cmd}: command not found")
+            executable = resolved
+            full = list(argv)
+            command_line = " ".join([resolved if "/" not in cmd else cmd, *argv[1:]])
+        env["SUDO_COMMAND"] = command_line[:4096]
+        for k, v in assign.items():
+            if k and "=" not in k and "\0" not in k + v:
+                env[k] = v
+
+        # working directory
+        if chdir:
+            cwd = chdir if chdir.startswith("/") else os.path.join(cwd_req or "/", chdir)
+            if not os.path.isdir(cwd):
+                raise Refused(f"sudo: unable to change directory to {cwd}: No such directory")
+        elif login:
+            cwd = target.home if os.path.isdir(target.home) else "/"
+        else:
+            cwd = cwd_req if cwd_req and os.path.isdir(cwd_req) else "/"
+
+        p = Plan()
+        p.executable, p.argv, p.env, p.cwd = executable, full, env, cwd
+        p.uid, p.gid = target.uid, primary
+        p.groups = list(dict.fromkeys([primary, *target.groups]))
+        umask = req.get("umask")
+        p.umask = (umask if isinstance(umask, int) and 0 <= umask <= 0o777 else 0o022) | 0o022
+        p.tty = bool(req.get("tty"))
+        return p
+
+    # -- running it -------------------------------------------------------------------------
+
+    def _spawn(self, plan: Plan, fds: list[int]) -> Any:
+        import fcntl  # noqa: F401  (pre-import for the TIOCSCTTY preexec hook)
+        import subprocess
+        import termios  # noqa: F401
+
+        from .process import _set_ctty
+
+        kw: dict[str, Any] = {"extra_groups": plan.groups}
+        if plan.uid != 0 or plan.gid != 0:
+            kw.update(user=plan.uid, group=plan.gid)
+        if plan.tty:
+            kw["preexec_fn"] = _set_ctty
+        try:
+            return subprocess.Popen(
+                plan.argv,
+                executable=plan.executable,
+                stdin=fds[0],
+                stdout=fds[1],
+                stderr=fds[2],
+                cwd=plan.cwd,
+                env=plan.env,
+                umask=plan.umask,
+                start_new_session=True,
+                close_fds=True,
+                **kw,
+            )
+        except FileNotFoundError:
+            raise Refused(f"sudo: {plan.argv[0]}: command not found") from None
+        except (OSError, subprocess.SubprocessError) as e:
+            msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise Refused(f"sudo: unable to execute {plan.executable}: {msg}") from None
+
+    async def _supervise(self, conn: socket.socket, popen: Any, buf: bytearray) -> None:
+        assert self.loop is not None
+        loop = self.loop
+        pid = popen.pid
+        exited: asyncio.Future[int] = loop.create_future()
+
+        def on_exit(status: int) -> None:
+            if not exited.done():
+                exited.set_result(status)
+
+        def wait() -> None:
+            while True:
+                try:
+                    _, status = os.waitpid(pid, 0)
+                    break
+                except ChildProcessError:
+                    status = 0xFF00
+                    break
+                except InterruptedError:
+                    continue
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(on_exit, status)
+
+        threading.Thread(target=wait, daemon=True, name=f"sudo-wait-{pid}").start()
+        await self._send(conn, {"started": pid})
+        relay = loop.create_task(self._relay(conn, pid, buf))
+        try:
+            waiting: set[asyncio.Future[Any]] = {exited, relay}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if not exited.done():  # the client is gone: so is the command
+                _kill(pid, signal.SIGKILL)
+                status = await exited
+                popen.returncode = os.waitstatus_to_exitcode(status)
+                return
+            status = exited.result()
+            popen.returncode = os.waitstatus_to_exitcode(status)
+            if os.WIFSIGNALED(status):
+                sig = os.WTERMSIG(status)
+                await self._send(conn, {"exit": 128 + sig, "signal": sig})
+            else:
+                await self._send(conn, {"exit": os.WEXITSTATUS(status), "signal": None})
+        finally:
+            relay.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await relay
+
+    async def _relay(self, conn: socket.socket, pid: int, buf: bytearray) -> None:
+        """Signals from the client until it closes the connection."""
+        assert self.loop is not None
+        while True:
+            for msg in take_frames(buf):
+                sig = msg.get("signal")
+                if isinstance(sig, int) and sig in ALLOWED_SIGNALS:
+                    _kill(pid, sig)
+                if msg.get("winch") is True:  # the client resized the command's pty
+                    from .process import session_winch
+
+                    session_winch(pid)  # the command is a session leader
+            try:
+                data = await self.loop.sock_recv(conn, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            buf += data
+
+
+def _kill(pid: int, sig: int) -> None:
+    """The command's process group (it is a session leader), else the command itself."""
+    try:
+        os.killpg(pid, sig)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+
+
+def start_service(state: State, environ: dict[str, str] | None = None) -> SudoService | None:
+    """Starts listening on ``$AENV_ENVD_SUDO_SOCKET`` (set by ``__main__`` in a sandbox;
+    envd must be root); None when unset, ``off`` or impossible (logged)."""
+    env = os.environ if environ is None else environ
+    path = env.get(SOCKET_ENV, "")
+    if not path or path.lower() in ("off", "0", "none", "disabled"):
+        return None
+    if os.geteuid() != 0:
+        return None
+    svc = SudoService(state, path)
+    try:
+        svc.start()
+    except OSError as e:
+        log(f"sudo: service not available at {path}: {e}")
+        return None
+    return svc
