@@ -243,8 +243,19 @@ async def sh(inst: Instance, cmd: str, timeout: float = 20.0) -> str:
         return r.text
 
 
+async def read_ints(inst: Instance, *paths: str) -> list[int]:
+    """Counter files read in one go inside the sandbox. The shell rewrites them (truncate,
+    then write), so a read may come up empty: retried."""
+    for _ in range(50):
+        out = (await sh(inst, f"cat {' '.join(paths)}")).split()
+        if len(out) == len(paths) and all(v.isdigit() for v in out):
+            return [int(v) for v in out]
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"cannot read {paths}: {out}")
+
+
 async def counter(inst: Instance) -> int:
-    return int((await get(inst, "/tmp/counter")).strip())
+    return (await read_ints(inst, "/tmp/counter"))[0]
 
 
 async def probe(inst: Instance, targets: list[tuple[str, int]]) -> dict[tuple[str, int], bool]:
@@ -377,7 +388,7 @@ async def test_create_serves_http(runtime: GVisorRuntime, rootfs: Path) -> None:
         assert 0 <= stats.cpu_used_pct <= 100
         # Every port is reachable: httpd on a second port started from inside.
         await sh(inst, "httpd -p 8081 -h /www")
-        async with client(2) as c:
+        async with client(10) as c:
             r = await c.get(f"http://{inst.address}:8081/index.html")
             assert r.status_code == 200
     finally:
@@ -448,7 +459,9 @@ async def test_freeze_thaw(runtime: GVisorRuntime, rootfs: Path) -> None:
         await runtime.freeze(inst)
         timed("freeze", time.perf_counter() - t0)
         assert await runtime.alive(inst)
-        with pytest.raises(httpx.TimeoutException):
+        # No answer: usually a timeout; under heavy host load the sentry's netstack (which
+        # keeps running while the tasks are paused) may also drop the connection.
+        with pytest.raises((httpx.TimeoutException, httpx.RemoteProtocolError)):
             await get(inst, "/tmp/counter", timeout=0.5)
         t0 = time.perf_counter()
         await runtime.thaw(inst)
@@ -711,13 +724,10 @@ INIT_RW = [
 
 
 def write_random(mib: int) -> str:
-    """A shell command writing `mib` MiB of incompressible, non-zero data to /root/big (zero
-    pages would not show what a checkpoint carries: gVisor skips them)."""
-    return (
-        "head -c 1048576 /dev/urandom > /root/r1m; "
-        f"i=0; while [ $i -lt {mib} ]; do cat /root/r1m; i=$((i+1)); done > /root/big; "
-        "rm /root/r1m"
-    )
+    """A shell command writing `mib` MiB of incompressible, non-zero data to /root/big in one
+    process (gVisor skips zero pages when it saves memory, and every process a sandbox has
+    run adds to its checkpoint state, so neither would show what the rootfs costs)."""
+    return f"dd if=/dev/urandom of=/root/big bs=1M count={mib} iflag=fullblock 2>/dev/null"
 
 
 def rw_spec(layers: list[Path], sandbox_id: str, upper: Path, **kw: object) -> SandboxSpec:
@@ -731,7 +741,20 @@ def new_upper(root: Path, name: str) -> Path:
 
 
 async def root_counter(inst: Instance) -> int:
-    return int((await get(inst, "/root/counter")).strip())
+    return (await read_ints(inst, "/root/counter"))[0]
+
+
+def host_counter(upper: Path, *, wait: bool = True) -> int:
+    """The counter file as the host sees it in an upper dir. The shell rewrites it (truncate,
+    then write), so a read can come up empty: retried while the sandbox runs, 0 when it does
+    not (a checkpoint between the two steps)."""
+    path = upper / "root" / "counter"
+    deadline = time.monotonic() + 2
+    while True:
+        text = path.read_text().strip()
+        if text or not wait or time.monotonic() > deadline:
+            return int(text or 0)
+        time.sleep(0.01)
 
 
 def work_dirs(root: Path) -> list[str]:
@@ -832,7 +855,7 @@ async def _restack(
         assert parent.bundle_dir / "rootfs" not in mount_points(runtime.settings.home)
         assert work_dirs(tmp_path) == []
         assert slot_traces(runtime.settings, slot) != []  # the slot is kept
-        at_checkpoint = int((u0 / "root" / "counter").read_text())
+        at_checkpoint = host_counter(u0, wait=False)
         # The orchestrator seals U0: a rename into a read-only layer, whatever its size.
         sealed = tmp_path / "layers" / "s1"
         sealed.parent.mkdir()
@@ -855,16 +878,18 @@ async def _restack(
 
         # Same sandbox, same place: address, slot and container id.
         assert (restored.address, restored.slot, restored.container_id) == (address, slot, cid)
-        n = await root_counter(restored)
+        # Both counters in one read: /root from the sealed layer + new upper, /tmp (gVisor's
+        # tmpfs) from the image; the process went on from where it was.
+        n, in_tmp = await read_ints(restored, "/root/counter", "/tmp/counter")
         assert n >= at_checkpoint, (n, at_checkpoint)
-        assert abs(await counter(restored) - n) <= 2  # /tmp came back from the image
+        assert abs(in_tmp - n) <= 1, (in_tmp, n)
         out = await sh(restored, "ls -l /root/big; cat /etc/marker /tmp/in-tmp; cat /etc/hosts")
         assert str(big_mb * MiB) in out and "parent" in out and "t\n" in out
         assert "No such file" in out  # the whiteout in the sealed layer still hides it
         await asyncio.sleep(0.5)
         assert await root_counter(restored) > n
         # New writes (the counter) go to the new upper, not to the sealed layer.
-        assert int((u1 / "root" / "counter").read_text()) > at_checkpoint
+        assert host_counter(u1) > at_checkpoint
         assert not (u1 / "root" / "big").exists()
 
         # Fork: children from the same image, each on its own upper over the same stack.
@@ -964,9 +989,7 @@ async def test_stop_running_keeps_files_and_address(
     again = None
     try:
         await wait_http(inst)
-        await sh(inst, "echo kept > /root/kept")
-        await asyncio.sleep(0.5)
-        before = await root_counter(inst)
+        await sh(inst, "echo kept > /root/kept; echo gone > /tmp/gone")
         t0 = time.perf_counter()
         await runtime.stop(inst)
         timed("stop (running, kill)", time.perf_counter() - t0)
@@ -981,8 +1004,9 @@ async def test_stop_running_keeps_files_and_address(
         await wait_http(again)
         timed("create (reuse) -> HTTP", time.perf_counter() - t0)
         assert (again.address, again.container_id) == (inst.address, inst.container_id)
-        assert "kept" in await sh(again, "cat /root/kept")
-        assert await root_counter(again) < before  # a new process, counting from 1
+        # Files kept; memory (and gVisor's tmpfs /tmp) not: a fresh boot.
+        out = await sh(again, "cat /root/kept; cat /tmp/gone 2>&1")
+        assert "kept" in out and "No such file" in out
         with pytest.raises(RuntimeFailure, match="not a stopped"):
             await runtime.restore(rw_spec([rootfs], "nomem", upper), tmp_path, reuse=again)
     finally:
@@ -1040,6 +1064,37 @@ async def test_failed_restore_keeps_stopped_slot(
         inst = again
     finally:
         await runtime.destroy(inst)
+
+
+async def test_reuse_falls_back_to_a_new_container_id(
+    runtime: GVisorRuntime, rootfs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the stopped container's id is not free (its delete failed), the sandbox starts
+    under a new id, still in its own slot (same address), and the old bundle goes."""
+    upper = new_upper(tmp_path, "u")
+    inst = await runtime.create(rw_spec([rootfs], "newid", upper))
+    again = None
+    try:
+        await wait_http(inst)
+        await runtime.stop(inst)
+        real = runtime.runsc.sandbox_state_file
+        taken = tmp_path / "taken.state"
+        monkeypatch.setattr(
+            runtime.runsc,
+            "sandbox_state_file",
+            lambda cid: taken if cid == inst.container_id else real(cid),
+        )
+        again = await runtime.create(rw_spec([rootfs], "newid", upper), reuse=inst)
+        await wait_http(again)
+        assert again.container_id != inst.container_id
+        assert (again.address, again.slot) == (inst.address, inst.slot)
+        await runtime.wait_idle()
+        assert not inst.bundle_dir.exists() and again.bundle_dir.is_dir()
+    finally:
+        monkeypatch.undo()
+        await runtime.destroy(again or inst)
+    await runtime.wait_idle()
+    assert mount_points(runtime.settings.sandboxes_dir) == []
 
 
 async def _restore_many(

@@ -31,17 +31,18 @@ class EnvdClient:
     async def wait_ready(self, host: str, port: int, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
         delay = 0.002
-        last: Exception | None = None
+        last = "no answer"
         while time.monotonic() < deadline:
             try:
                 resp = await self._http.get(f"http://{host}:{port}/health", timeout=1.0)
                 if resp.status_code < 300:
                     return
+                last = f"HTTP {resp.status_code}"
             except httpx.HTTPError as e:
-                last = e
+                last = f"{type(e).__name__}: {e}"
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.05)
-        raise GatewayTimeout(f"envd at {host}:{port} did not become ready in {timeout:.0f}s: {last}")
+        raise GatewayTimeout(f"envd at {host}:{port} did not become ready in {timeout:.0f}s ({last})")
 
     async def init(
         self,

@@ -283,6 +283,8 @@ class GVisorRuntime(Runtime):
         finally:
             if held is not None:
                 self._busy.discard(held.container_id)
+        if held is not None and held.container_id != cid:
+            self._spawn(self._discard_container(held))
         log.info(
             "%s %s in slot %d at %s%s: %.0f ms (runsc %.0f ms)",
             "restored" if image_dir else "created",
@@ -410,6 +412,12 @@ class GVisorRuntime(Runtime):
             await asyncio.to_thread(_remove_bundle, inst.bundle_dir)
         await asyncio.to_thread(_write_instance, held)
         self._live[held.container_id] = held
+
+    async def _discard_container(self, old: Instance) -> None:
+        """The leftover container and bundle of a stopped sandbox that was started again
+        under a new id (its slot now belongs to the new container)."""
+        await self._remove_container(old, kill=True)
+        await asyncio.to_thread(_remove_bundle, old.bundle_dir)
 
     async def stop(self, inst: Instance) -> None:
         cid = inst.container_id
