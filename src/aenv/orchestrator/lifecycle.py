@@ -242,12 +242,12 @@ class Orchestrator(OrchestratorCore):
                 await self.runtime.checkpoint(inst, image, leave_running=False)
             with t.stage("stop"):
                 await self.runtime.stop(inst)
-            # The sandbox comes back in a new network slot (a new address; the proxy and the
-            # node look it up per request): restoring into the old slot is not reliable.
             try:
-                await self._restack(r, t, image, reuse=None, resume=(tier != "frozen"))
-            finally:
+                # Back in the same slot and container id: same address for everyone.
+                await self._restack(r, t, image, reuse=inst, resume=(tier != "frozen"))
+            except BaseException:
                 await self._destroy_quietly(inst)
+                raise
             if tier == "frozen":
                 await self.runtime.freeze(Instance.from_json(r.instance or {}))
         elif tier == "hibernated":

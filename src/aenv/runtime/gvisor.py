@@ -577,6 +577,7 @@ class GVisorRuntime(Runtime):
         self._check_not_stopped(inst)
         await asyncio.to_thread(image_dir.mkdir, parents=True, exist_ok=True)
         t0 = time.perf_counter()
+        await self._drop_connections(inst)
         await self.runsc.checkpoint(
             inst.container_id,
             image_dir,
@@ -596,6 +597,16 @@ class GVisorRuntime(Runtime):
             image_dir,
             (time.perf_counter() - t0) * 1000,
         )
+
+    async def _drop_connections(self, inst: Instance) -> None:
+        """Aborts the host's TCP connections to the sandbox (the node's own: envd client,
+        proxy) before a checkpoint. runsc 20240729 restores a sandbox that had an open
+        connection at checkpoint time with a wedged netstack (the listener never accepts
+        again); the connections would be dropped at restore anyway (--net-disconnect-ok)."""
+        try:
+            await _proc.run(["ss", "-K", "dst", inst.address], time_limit=10)
+        except RuntimeFailure as e:
+            log.warning("could not drop connections to %s: %s", inst.address, e)
 
     async def alive(self, inst: Instance) -> bool:
         cid = inst.container_id
