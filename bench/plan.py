@@ -1,0 +1,83 @@
+"""How many samples each row takes, in full and quick mode, and the progress interface."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Plan:
+    create: int = 20
+    create_cold: int = 15
+    exec: int = 30
+    files: int = 20
+    pause: int = 20
+    hibernate: int = 10
+    snapshot: int = 15
+    dirty: int = 3
+    fork_1: int = 10
+    fork_4: int = 5
+    fork_16: int = 3
+    concurrent_10_rounds: int = 3
+    concurrent_50_rounds: int = 1
+    # Seconds an idle sandbox sits before its memory is read; how long to wait for a
+    # paused sandbox to report it is hibernated.
+    idle_wait: float = 3.0
+    hibernate_wait: float = 20.0
+    dirty_mib: int = 1024
+    # The baseline of the heavy rows (snapshot_dirty_1gib, fork_*, concurrent_create_50):
+    # their targets are absolute, and together they take ~45 s of a quick run.
+    baseline_heavy: bool = True
+    # A row stops after this many failed samples in a row (quick: at the first).
+    max_failures: int = 3
+    # Seconds a pause, resume, snapshot or fork call may take (None: the client's 180 s),
+    # and a fork child to answer its first command.
+    op_timeout: float | None = None
+    child_timeout: float = 30.0
+    mode: str = "full"
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(
+            create=3,
+            create_cold=3,
+            exec=8,
+            files=4,
+            pause=4,
+            hibernate=2,
+            snapshot=3,
+            dirty=1,
+            fork_1=2,
+            fork_4=1,
+            fork_16=1,
+            concurrent_10_rounds=1,
+            concurrent_50_rounds=1,
+            idle_wait=1.0,
+            hibernate_wait=5.0,
+            baseline_heavy=False,
+            max_failures=1,
+            op_timeout=10.0,
+            child_timeout=10.0,
+            mode="quick",
+        )
+
+
+class Progress(Protocol):
+    def step(self, label: str, total: int) -> None:
+        """A new step with `total` units of work (the previous one is finished)."""
+
+    def advance(self, n: int = 1) -> None: ...
+
+    def log(self, message: str) -> None: ...
+
+
+class NullProgress:
+    def step(self, label: str, total: int) -> None:
+        pass
+
+    def advance(self, n: int = 1) -> None:
+        pass
+
+    def log(self, message: str) -> None:
+        pass

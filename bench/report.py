@@ -1,0 +1,195 @@
+"""Render a bench result file (`bench/results/latest.json`) as a Markdown table.
+
+    .venv/bin/python bench/report.py [bench/results/latest.json] > table.md
+
+Standard library only, so it runs as a plain script; `aenv bench` imports the row list, the
+targets and the formatting from here, so the terminal table and the Markdown agree.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Target:
+    """`stat` of our result must be at most `limit` (absolute, in the row's unit) or at most
+    `ratio` times the same stat of the baseline."""
+
+    stat: str = "p50"
+    limit: float | None = None
+    ratio: float | None = None
+
+    def describe(self, unit: str) -> str:
+        if self.ratio is not None:
+            return f"{self.stat} ≤ {self.ratio:g}× baseline"
+        if self.limit is None:
+            return ""
+        if unit == "ms" and self.limit >= 1000:
+            return f"{self.stat} ≤ {self.limit / 1000:g} s"
+        return f"{self.stat} ≤ {self.limit:g} {unit}"
+
+    def check(self, ours: dict[str, Any] | None, base: dict[str, Any] | None) -> bool | None:
+        """True/False when it can be decided, None when a number is missing."""
+        value = _num((ours or {}).get(self.stat))
+        if value is None:
+            return None
+        if self.ratio is not None:
+            ref = _num((base or {}).get(self.stat))
+            if ref is None or ref <= 0:
+                return None
+            return value <= self.ratio * ref
+        if self.limit is None:
+            return None
+        return value <= self.limit
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    title: str
+    unit: str = "ms"
+    target: Target | None = None
+
+
+# Every row the harness measures, in display order. The targets are the issue's.
+ROWS: tuple[Row, ...] = (
+    Row("create_to_first_exec", "create → first exec (warm pool)", target=Target("p50", 60)),
+    Row("create_to_first_exec_cold", "create → first exec (no pool)"),
+    Row("exec_roundtrip", "exec `true` round-trip", target=Target("p50", 10)),
+    Row("file_write_1mib", "write 1 MiB file"),
+    Row("file_read_1mib", "read 1 MiB file"),
+    Row("pause", "pause (freeze)", target=Target("p50", 20)),
+    Row("resume", "resume (thaw)", target=Target("p50", 20)),
+    Row("hibernate", "pause → hibernated", target=Target("p50", ratio=1.2)),
+    Row("resume_from_disk", "resume from disk", target=Target("p50", ratio=1.2)),
+    Row("snapshot", "snapshot (running)", target=Target("p50", ratio=1.2)),
+    Row("snapshot_dirty_1gib", "snapshot after 1 GiB written", target=Target("p50", 300)),
+    Row("fork_1", "fork ×1 → child answers"),
+    Row("fork_4", "fork ×4 → all answer"),
+    Row("fork_16", "fork ×16 → all answer", target=Target("p50", 2000)),
+    Row("concurrent_create_10", "create+exec, 10 at once (each)"),
+    Row("concurrent_create_50", "create+exec, 50 at once (each)", target=Target("p95", 150)),
+    Row("idle_sandbox_rss_mib", "idle sandbox host RSS", unit="MiB", target=Target("p50", 64)),
+    Row("idle_sandbox_pss_mib", "idle sandbox host PSS (+stubs)", unit="MiB"),
+)
+ROW_BY_NAME = {r.name: r for r in ROWS}
+REQUIRED = tuple(r.name for r in ROWS)
+
+HEADERS = ("row", "ours p50", "ours p95", "n", "baseline p50", "ours/baseline", "target", "met")
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def fmt_value(value: Any, unit: str = "ms") -> str:
+    v = _num(value)
+    if v is None:
+        return "–"
+    if unit == "ms" and v >= 10_000:
+        return f"{v / 1000:.1f} s"
+    if v >= 100:
+        return f"{v:.0f} {unit}"
+    return f"{v:.1f} {unit}"
+
+
+def ratio(
+    ours: dict[str, Any] | None, base: dict[str, Any] | None, stat: str = "p50"
+) -> float | None:
+    a = _num((ours or {}).get(stat))
+    b = _num((base or {}).get(stat))
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+def table_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One tuple of cells (plain text) per row: the HEADERS columns, then a note."""
+    results: dict[str, Any] = doc.get("results") or {}
+    baseline: dict[str, Any] = doc.get("baseline") or {}
+    names = [r.name for r in ROWS] + sorted(set(results) - set(ROW_BY_NAME))
+    out: list[tuple[str, ...]] = []
+    for name in names:
+        row = ROW_BY_NAME.get(name, Row(name, name))
+        ours = results.get(name)
+        base = baseline.get(name)
+        r = ratio(ours, base)
+        met = row.target.check(ours, base) if row.target else None
+        note = ""
+        if isinstance(ours, dict) and ours.get("note"):
+            note = str(ours["note"])
+        elif isinstance(base, dict) and base.get("note") and not ours:
+            note = f"baseline: {base['note']}"
+        out.append(
+            (
+                name,
+                fmt_value((ours or {}).get("p50"), row.unit),
+                fmt_value((ours or {}).get("p95"), row.unit),
+                str((ours or {}).get("n") or 0),
+                fmt_value((base or {}).get("p50"), row.unit),
+                f"{r:.2f}×" if r is not None else "–",
+                row.target.describe(row.unit) if row.target else "",
+                {True: "✔", False: "✘", None: ""}[met],
+                note,
+            )
+        )
+    return out
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    """The Markdown table (plus a line about the machine and a list of notes)."""
+    m = doc.get("machine") or {}
+    lines = []
+    when = doc.get("finished_at") or doc.get("started_at") or ""
+    mode = (doc.get("config") or {}).get("mode", "")
+    lines.append(
+        f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, "
+        f"{m.get('memory_gb', '?')} GB, kernel {m.get('kernel', '?')}, "
+        f"{m.get('runtime', '?')} {m.get('runtime_version', '')}".rstrip()
+        + (f"; {mode} run" if mode else "")
+        + (f", {when}" if when else "")
+        + "."
+    )
+    lines.append("")
+    lines.append("| " + " | ".join(HEADERS) + " |")
+    lines.append("|" + "|".join(["---"] + ["---:"] * 5 + ["---", ":-:"]) + "|")
+    notes = []
+    for cells in table_rows(doc):
+        *main, note = cells
+        if note:
+            notes.append(f"- `{main[0]}`: {note}")
+        lines.append("| " + " | ".join(_cell(c) for c in main) + " |")
+    if notes:
+        lines.append("")
+        lines.extend(_cell(n) for n in notes)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    path = (
+        Path(argv[1])
+        if len(argv) > 1
+        else Path(__file__).resolve().parent / "results" / "latest.json"
+    )
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        sys.stderr.write(f"report: cannot read {path}: {exc}\n")
+        return 1
+    sys.stdout.write(render_markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
