@@ -49,7 +49,7 @@ MAIN_ROWS = [
     "idle_sandbox_pss_mib",
 ]
 COLD_ROWS = ["create_to_first_exec_cold", "hibernate", "resume_from_disk"]
-COLD_ENV = {"AENV_NET_POOL_SIZE": "0", "AENV_HIBERNATE_AFTER": "0"}
+COLD_ENV = {"AENV_NET_POOL_SIZE": "0", "AENV_SANDBOX_POOL_SIZE": "0", "AENV_HIBERNATE_AFTER": "0"}
 CLIENT = (
     "httpx.AsyncClient (HTTP/1.1 keep-alive) speaking the E2B REST shapes and envd's Connect "
     "protocol (JSON) directly, not the e2b SDK: its sync client adds its own per-call overhead"
@@ -200,7 +200,7 @@ class Run:
         if self.opts.url and not self.opts.cold_url:
             self.results.missing(
                 rows,
-                "needs a second server with AENV_NET_POOL_SIZE=0 AENV_HIBERNATE_AFTER=0: pass "
+                "needs a second server with AENV_NET_POOL_SIZE=0 AENV_SANDBOX_POOL_SIZE=0 AENV_HIBERNATE_AFTER=0: pass "
                 "--cold-url (without --url the bench starts one itself)",
             )
             return
@@ -225,7 +225,7 @@ class Run:
             self.results.note(
                 "create_to_first_exec_cold",
                 "no per-request pool toggle on the server: measured on a second server started "
-                "with AENV_NET_POOL_SIZE=0",
+                "with AENV_NET_POOL_SIZE=0 AENV_SANDBOX_POOL_SIZE=0",
             )
         sr = ServerRows(api, self.results, self.plan, self.progress, want=self.want, local=local)
         try:

@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     # Admission: the sum of memoryMB of live sandboxes on this node may not exceed this
     # (None: 90% of the host's RAM).
     max_memory_mb: int | None = None
+    # Sandboxes of the default template booted ahead of demand (envd up, not yet assigned):
+    # a create that matches takes one and only has to initialise envd.
+    sandbox_pool_size: int = 2
     # Children restored at once by a fork (each restore is CPU-bound in runsc).
     fork_concurrency: int = 4
 

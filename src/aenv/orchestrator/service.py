@@ -95,6 +95,10 @@ class OrchestratorCore:
         self._loop_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
         self.memory_budget_mb = settings.max_memory_mb or int(_host_memory_mb() * 0.9)
+        # Pre-booted sandboxes of the default template (see `_take_warm`).
+        self._warm: builtins.list[SandboxRecord] = []
+        self._warm_task: asyncio.Task[None] | None = None
+        self._closing = False
 
     # ------------------------------------------------------------------ lifecycle of the node
     async def start(self) -> None:
@@ -131,8 +135,20 @@ class OrchestratorCore:
         for tid, doc, _names in await asyncio.to_thread(self.catalog.templates):
             await asyncio.to_thread(self.storage.hold, "template", tid, list(doc.get("layers") or []))
         self._loop_task = asyncio.create_task(self._timer_loop(), name="aenv-timers")
+        self._refill_warm()
 
     async def close(self) -> None:
+        self._closing = True
+        if self._warm_task:
+            self._warm_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._warm_task
+        for w in self._warm:
+            self._records.pop(w.sandbox_id, None)
+            if w.instance:
+                await self._destroy_quietly(Instance.from_json(w.instance))
+            await self._forget(w)
+        self._warm.clear()
         if self._loop_task:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -366,6 +382,11 @@ class OrchestratorCore:
             cpu = req.cpu_count or int(doc.get("cpu_count") or s.default_cpu_count)
             mem = req.memory_mb or int(doc.get("memory_mb") or s.default_memory_mb)
         alias = req.template_id if req.template_id in names else (names[0] if names else None)
+        warm = self._take_warm(template_id, doc, cpu, mem)
+        if warm is not None:
+            adopted = await self._adopt_warm(warm, req, alias, timeout, t)
+            if adopted is not None:
+                return adopted
         self._reserve(mem)
         r = self._new_record(
             template_id=template_id, alias=alias, doc=doc, req=req, timeout=timeout, cpu=cpu, mem=mem
@@ -395,6 +416,100 @@ class OrchestratorCore:
         await self._save(r)
         record_timings(r, t)
         return r
+
+    # ------------------------------------------------------------------ warm pool
+    def _take_warm(
+        self, template_id: str, doc: dict[str, Any], cpu: int, mem: int
+    ) -> SandboxRecord | None:
+        if doc.get("checkpoint"):
+            return None
+        for i, w in enumerate(self._warm):
+            if (w.template_id, w.layers, w.cpu_count, w.memory_mb) == (
+                template_id,
+                list(doc["layers"]),
+                cpu,
+                mem,
+            ):
+                return self._warm.pop(i)
+        return None
+
+    async def _adopt_warm(
+        self, w: SandboxRecord, req: CreateRequest, alias: str | None, timeout: int, t: Timings
+    ) -> SandboxRecord | None:
+        """Turns a pre-booted sandbox into the requested one: only envd's /init is left."""
+        self._refill_warm()
+        w.alias = alias
+        w.metadata = dict(req.metadata)
+        w.env_vars = dict(req.env_vars)
+        w.envd_access_token = secrets.token_urlsafe(24) if req.secure else ""
+        w.auto_pause, w.auto_pause_memory = req.auto_pause, req.auto_pause_memory
+        w.auto_resume, w.allow_internet_access = req.auto_resume, req.allow_internet_access
+        assert w.instance is not None
+        try:
+            with t.stage("pool-init"):
+                await self.envd.init(
+                    str(w.instance["address"]),
+                    ENVD_PORT,
+                    token=w.envd_access_token,
+                    env_vars={**(w.boot.get("env") or {}), **w.env_vars},
+                    user=w.boot.get("user"),
+                    workdir=w.boot.get("workdir"),
+                )
+        except Exception:
+            log.exception("a pre-booted sandbox could not be initialised; booting a new one")
+            self._records.pop(w.sandbox_id, None)
+            await self._destroy_quietly(Instance.from_json(w.instance))
+            await self._forget(w)
+            return None
+        w.state = State.RUNNING
+        w.started_at = utcnow()
+        w.end_at = w.started_at + timedelta(seconds=timeout)
+        await self._save(w)
+        record_timings(w, t)
+        return w
+
+    def _refill_warm(self) -> None:
+        if self._closing or self.settings.sandbox_pool_size <= 0:
+            return
+        if self._warm_task is None or self._warm_task.done():
+            self._warm_task = asyncio.create_task(self._fill_warm(), name="aenv-warm")
+
+    async def _fill_warm(self) -> None:
+        while len(self._warm) < self.settings.sandbox_pool_size and not self._closing:
+            found = await asyncio.to_thread(self.catalog.template, "base")
+            if found is None:
+                return
+            tid, doc, names = found
+            cpu = int(doc.get("cpu_count") or self.settings.default_cpu_count)
+            mem = int(doc.get("memory_mb") or self.settings.default_memory_mb)
+            try:
+                self._reserve(mem)
+            except AenvError:
+                return
+            r = self._new_record(
+                template_id=tid,
+                alias=names[0] if names else None,
+                doc=doc,
+                req=CreateRequest(),
+                timeout=self.settings.default_timeout,
+                cpu=cpu,
+                mem=mem,
+            )
+            self._records[r.sandbox_id] = r
+            try:
+                await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, r.layers)
+                await self._boot(r, Timings(), init=False)
+            except asyncio.CancelledError:
+                self._records.pop(r.sandbox_id, None)
+                await self._forget(r)
+                raise
+            except Exception:
+                log.exception("pre-booting a sandbox failed")
+                self._records.pop(r.sandbox_id, None)
+                await self._forget(r)
+                await asyncio.sleep(5)
+                continue
+            self._warm.append(r)
 
     # ------------------------------------------------------------------ kill / timeouts
     async def kill(self, sandbox_id: str) -> None:
