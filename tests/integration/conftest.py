@@ -57,7 +57,7 @@ class Server:
         self.proc = subprocess.Popen(
             [AENV, "server"], env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
         )
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"aenv server exited:\n{self.log_path.read_text()[-4000:]}")

@@ -126,7 +126,11 @@ class GVisorRuntime(Runtime):
                 recovered[cid] = inst
             else:
                 stale.append(cid)
-        await self._delete_containers(stale)
+        # Stale containers are killed now; their `runsc delete` can take a minute after a
+        # crash (their processes now belong to init, which reaps slowly), so it finishes in
+        # the background instead of holding up the server's start.
+        await self._kill_containers(stale)
+        self._spawn(self._delete_containers(stale))
         # Stopped sandboxes (no container, slot kept) the catalog still knows; a container
         # left over from a failed stop was deleted just above.
         for cid in sorted(keep - set(recovered)):
@@ -671,6 +675,22 @@ class GVisorRuntime(Runtime):
 
     def _cgroup_path(self, cid: str) -> str:
         return f"/{self.settings.net_prefix}/{cid}"
+
+    async def _kill_containers(self, cids: list[str]) -> None:
+        """SIGKILLs the containers' sandbox processes and waits (briefly) until they and
+        their gofers are dead, so their mounts and netns can go; reaping may come later."""
+        pids: list[int] = []
+        for cid in cids:
+            pid, gofer = self.runsc.read_pids(cid)
+            if pid > 0 and self._is_our_sandbox(pid, cid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                pids += [p for p in (pid, gofer) if p > 0]
+        deadline = time.monotonic() + 5.0
+        while pids and time.monotonic() < deadline:
+            pids = [p for p in pids if not _proc.settled(p)]
+            if pids:
+                await asyncio.sleep(0.02)
 
     async def _delete_containers(self, cids: list[str]) -> None:
         """Kills and deletes containers (concurrently, a few at a time)."""
