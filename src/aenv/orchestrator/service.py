@@ -309,7 +309,9 @@ class OrchestratorCore:
             r.instance = None
             if isinstance(e, AenvError | asyncio.CancelledError):
                 raise
-            raise RuntimeFailure(f"sandbox {r.sandbox_id} failed to start: {e}") from e
+            raise RuntimeFailure(
+                f"sandbox {r.sandbox_id} failed to start: {type(e).__name__}: {e}"
+            ) from e
         return inst
 
     async def _destroy_quietly(self, inst: Instance) -> None:
