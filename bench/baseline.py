@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.errors import AenvError
+from aenv.runtime import oci
 from aenv.runtime.network import Network, Slot, SlotAddressing
 from aenv.runtime.oci import CAPABILITIES, CPU_PERIOD_US, DEFAULT_PATH
 from aenv.runtime.runsc import Runsc
@@ -87,32 +88,9 @@ def oci_spec(
     baseline does not move when the server's runtime code does)."""
     env = dict(init_env)
     env.setdefault("PATH", DEFAULT_PATH)
+    # The same base mounts as the server's sandboxes, so the two measure the same shape.
     mounts: list[dict[str, Any]] = [
-        {"destination": "/proc", "type": "proc", "source": "proc"},
-        {
-            "destination": "/dev",
-            "type": "tmpfs",
-            "source": "tmpfs",
-            "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
-        },
-        {
-            "destination": "/dev/pts",
-            "type": "devpts",
-            "source": "devpts",
-            "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
-        },
-        {
-            "destination": "/dev/shm",
-            "type": "tmpfs",
-            "source": "shm",
-            "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
-        },
-        {
-            "destination": "/sys",
-            "type": "sysfs",
-            "source": "sysfs",
-            "options": ["nosuid", "noexec", "nodev", "ro"],
-        },
+        *oci.base_mounts(),
         {
             "destination": "/opt/aenv",
             "type": "bind",

@@ -33,7 +33,8 @@ CAPABILITIES = [
 CPU_PERIOD_US = 100_000
 
 
-def _base_mounts() -> list[dict[str, Any]]:
+def base_mounts() -> list[dict[str, Any]]:
+    """The mounts every sandbox gets (proc, dev, devpts, shm, sys), before its own."""
     return [
         {"destination": "/proc", "type": "proc", "source": "proc"},
         {
@@ -72,7 +73,7 @@ def config(
 ) -> dict[str, Any]:
     env = dict(spec.env)
     env.setdefault("PATH", DEFAULT_PATH)
-    mounts = _base_mounts() + [
+    mounts = base_mounts() + [
         {
             "destination": m.destination,
             "type": "bind",
