@@ -365,18 +365,23 @@ async def _run(opts: Options, progress: Progress | None) -> dict[str, Any]:
     }
     doc = r.results.document(machine_info(), extra)
     if opts.write:
-        write_results(doc, opts.results_dir, started)
+        # A partial run (--only) must not replace the full table the README shows.
+        write_results(doc, opts.results_dir, started, latest=opts.only is None)
     return doc
 
 
-def write_results(doc: dict[str, Any], results_dir: Path, when: datetime) -> tuple[Path, Path]:
-    """`latest.json` and a dated copy `YYYY-MM-DDTHH-MM-SS.json` (UTC)."""
+def write_results(
+    doc: dict[str, Any], results_dir: Path, when: datetime, *, latest: bool = True
+) -> tuple[Path | None, Path]:
+    """A dated copy `YYYY-MM-DDTHH-MM-SS.json` (UTC) and, for a full run, `latest.json`."""
     results_dir.mkdir(parents=True, exist_ok=True)
     text = json.dumps(doc, indent=2) + "\n"
     dated = results_dir / f"{when.strftime('%Y-%m-%dT%H-%M-%S')}.json"
-    latest = results_dir / "latest.json"
     dated.write_text(text)
-    tmp = latest.with_suffix(".json.tmp")
+    if not latest:
+        return None, dated
+    latest_path = results_dir / "latest.json"
+    tmp = latest_path.with_suffix(".json.tmp")
     tmp.write_text(text)
-    tmp.replace(latest)
-    return latest, dated
+    tmp.replace(latest_path)
+    return latest_path, dated

@@ -105,9 +105,14 @@ def test_write_results(tmp_path: Path) -> None:
     doc = _results().document({"cpu": "x"})
     when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
     latest, dated = harness.write_results(doc, tmp_path / "results", when)
-    assert latest.name == "latest.json"
+    assert latest is not None and latest.name == "latest.json"
     assert dated.name == "2026-01-02T03-04-05.json"
     assert json.loads(latest.read_text()) == json.loads(dated.read_text()) == doc
+    # a partial run leaves latest.json alone
+    later = datetime(2026, 1, 2, 3, 9, 9, tzinfo=UTC)
+    none, dated2 = harness.write_results({"partial": True}, tmp_path / "results", later, latest=False)
+    assert none is None and json.loads(dated2.read_text()) == {"partial": True}
+    assert json.loads(latest.read_text()) == doc
 
 
 # -- the report --------------------------------------------------------------------------------

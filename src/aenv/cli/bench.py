@@ -189,7 +189,8 @@ def bench(
             sys.stderr.write("aenv: bench stopped; everything it started was removed\n")
             raise typer.Exit(143) from None
     _print_table(doc, report)
-    out = opts.results_dir / "latest.json"
+    # A partial run (--only) writes only its dated copy, never latest.json.
+    out = opts.results_dir / ("latest.json" if opts.only is None else "<date>.json")
     sys.stderr.write(
         f"aenv: bench finished in {time.monotonic() - t0:.0f}s; results in {out} "
         f"(Markdown: .venv/bin/python bench/report.py)\n"
