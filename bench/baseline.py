@@ -27,8 +27,8 @@ from typing import Any
 
 from aenv.errors import AenvError
 from aenv.runtime import oci
+from aenv.runtime.base import Mount, SandboxSpec
 from aenv.runtime.network import Network, Slot, SlotAddressing
-from aenv.runtime.oci import CAPABILITIES, CPU_PERIOD_US, DEFAULT_PATH
 from aenv.runtime.runsc import Runsc
 
 from . import hostproc
@@ -84,54 +84,18 @@ def oci_spec(
     memory_mb: int,
     cpus: int = 2,
 ) -> dict[str, Any]:
-    """The OCI config of a baseline sandbox (the server's shape, written out here so the
-    baseline does not move when the server's runtime code does)."""
-    env = dict(init_env)
-    env.setdefault("PATH", DEFAULT_PATH)
-    # The same base mounts as the server's sandboxes, so the two measure the same shape.
-    mounts: list[dict[str, Any]] = [
-        *oci.base_mounts(),
-        {
-            "destination": "/opt/aenv",
-            "type": "bind",
-            "source": str(runtime_dir),
-            "options": ["rbind", "ro"],
-        },
-    ]
-    return {
-        "ociVersion": "1.0.2",
-        "process": {
-            "terminal": False,
-            "user": {"uid": 0, "gid": 0},
-            "args": list(init_args),
-            "env": [f"{k}={v}" for k, v in env.items()],
-            "cwd": "/",
-            "capabilities": {
-                "bounding": list(CAPABILITIES),
-                "effective": list(CAPABILITIES),
-                "permitted": list(CAPABILITIES),
-            },
-            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536}],
-            "noNewPrivileges": False,
-        },
-        "root": {"path": str(rootfs), "readonly": False},
-        "hostname": "sandbox",
-        "mounts": mounts,
-        "linux": {
-            "namespaces": [
-                {"type": "pid"},
-                {"type": "ipc"},
-                {"type": "uts"},
-                {"type": "mount"},
-                {"type": "network", "path": netns_path},
-            ],
-            "cgroupsPath": cgroups_path,
-            "resources": {
-                "cpu": {"quota": cpus * CPU_PERIOD_US, "period": CPU_PERIOD_US},
-                "memory": {"limit": memory_mb * 1024 * 1024},
-            },
-        },
-    }
+    """The OCI config of a baseline sandbox: the server's own (`runtime.oci.config`), so the
+    baseline measures exactly the shape our sandboxes run in."""
+    spec = SandboxSpec(
+        sandbox_id="baseline",
+        layers=[rootfs],
+        args=list(init_args),
+        env=dict(init_env),
+        mounts=[Mount(runtime_dir, "/opt/aenv", readonly=True)],
+        cpu_count=cpus,
+        memory_mb=memory_mb,
+    )
+    return oci.config(spec, rootfs=rootfs, netns_path=netns_path, cgroups_path=cgroups_path)
 
 
 def _ms(t0: float) -> float:

@@ -83,7 +83,9 @@ class Catalog:
         return [_doc_to_record(doc) for (doc,) in self._run("SELECT doc FROM sandboxes")]
 
     # --- templates: documents with an id and any number of unique names ---
-    def put_template(self, template_id: str, doc: dict[str, Any], names: Iterable[str] = ()) -> None:
+    def put_template(
+        self, template_id: str, doc: dict[str, Any], names: Iterable[str] = ()
+    ) -> None:
         with self._lock:
             self._db.execute("BEGIN")
             try:
@@ -114,13 +116,18 @@ class Catalog:
         if not rows:
             return None
         tid, doc = rows[0]
-        names = [n for (n,) in self._run("SELECT name FROM template_names WHERE template_id=?", (tid,))]
+        names = [
+            n for (n,) in self._run("SELECT name FROM template_names WHERE template_id=?", (tid,))
+        ]
         return tid, json.loads(doc), names
 
     def templates(self) -> list[tuple[str, dict[str, Any], list[str]]]:
         out = []
         for tid, doc in self._run("SELECT id, doc FROM templates ORDER BY id"):
-            names = [n for (n,) in self._run("SELECT name FROM template_names WHERE template_id=?", (tid,))]
+            names = [
+                n
+                for (n,) in self._run("SELECT name FROM template_names WHERE template_id=?", (tid,))
+            ]
             out.append((tid, json.loads(doc), names))
         return out
 

@@ -92,7 +92,9 @@ class Durable:
             if found is not None:
                 _tid, current, current_names = found
                 current["published"] = True
-                await asyncio.to_thread(self.catalog.put_template, template_id, current, current_names)
+                await asyncio.to_thread(
+                    self.catalog.put_template, template_id, current, current_names
+                )
             log.info("template %s published to the repository", template_id)
         except asyncio.CancelledError:
             raise

@@ -42,7 +42,9 @@ class EnvdClient:
                 last = f"{type(e).__name__}: {e}"
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.05)
-        raise GatewayTimeout(f"envd at {host}:{port} did not become ready in {timeout:.0f}s ({last})")
+        raise GatewayTimeout(
+            f"envd at {host}:{port} did not become ready in {timeout:.0f}s ({last})"
+        )
 
     async def init(
         self,
@@ -261,7 +263,9 @@ class EnvdRpc:
             raise SandboxProcessError(f"reading {path}: {_rpc_error_text(resp)}")
         return resp.content
 
-    async def _unary(self, method: str, message: dict[str, Any], user: str | None) -> httpx.Response:
+    async def _unary(
+        self, method: str, message: dict[str, Any], user: str | None
+    ) -> httpx.Response:
         try:
             return await self._http.post(
                 f"{self.base}/{method}",

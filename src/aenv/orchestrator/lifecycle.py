@@ -244,7 +244,7 @@ class Orchestrator(OrchestratorCore):
                 await self.runtime.stop(inst)
             try:
                 # Back in the same slot and container id: same address for everyone.
-                await self._restack(r, t, image, reuse=inst, resume=(tier != "frozen"))
+                await self._restack(r, t, image, reuse=inst)
             except BaseException:
                 await self._destroy_quietly(inst)
                 raise
@@ -253,7 +253,7 @@ class Orchestrator(OrchestratorCore):
         elif tier == "hibernated":
             # Already on disk: the snapshot shares the hibernation image.
             await asyncio.to_thread(self.storage.link_image, str(r.paused_state["image"]), snap_id)  # type: ignore[index]
-            await self._restack(r, t, None, reuse=None, resume=False)
+            await self._restack(r, t, None, reuse=None)
         else:
             raise Conflict(f"sandbox {r.sandbox_id!r} cannot be snapshotted while {r.state}")
         doc: dict[str, Any] = {
@@ -278,14 +278,12 @@ class Orchestrator(OrchestratorCore):
         return snap_id
 
     async def _restack(
-        self, r: SandboxRecord, t: Timings, image: Path | None, *, reuse: Instance | None, resume: bool
+        self, r: SandboxRecord, t: Timings, image: Path | None, *, reuse: Instance | None
     ) -> None:
         """Seal the upper as a layer and (if `image`) restore the sandbox on a fresh one."""
         assert r.upper is not None
         with t.stage("seal"):
-            digest = await asyncio.to_thread(
-                self.storage.seal, Path(r.upper), r.sandbox_id
-            )
+            digest = await asyncio.to_thread(self.storage.seal, Path(r.upper), r.sandbox_id)
             r.layers = [digest, *r.layers]
             await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, [digest])
             r.upper = str(await asyncio.to_thread(self.storage.new_upper, r.sandbox_id))
@@ -329,7 +327,9 @@ class Orchestrator(OrchestratorCore):
         if self.durable is not None and not doc.get("internal"):
             await self.durable.forget(tid)
 
-    def snapshots(self, sandbox_id: str | None = None, name: str | None = None) -> builtins.list[tuple[str, dict[str, Any], builtins.list[str]]]:
+    def snapshots(
+        self, sandbox_id: str | None = None, name: str | None = None
+    ) -> builtins.list[tuple[str, dict[str, Any], builtins.list[str]]]:
         out = []
         for tid, doc, names in self.catalog.templates():
             if doc.get("kind") != "snapshot" or doc.get("internal"):
@@ -344,7 +344,11 @@ class Orchestrator(OrchestratorCore):
 
     # ------------------------------------------------------------------ fork
     async def fork(
-        self, sandbox_id: str, count: int, timeout: int | None = None, timings: Timings | None = None
+        self,
+        sandbox_id: str,
+        count: int,
+        timeout: int | None = None,
+        timings: Timings | None = None,
     ) -> builtins.list[ForkResult]:
         t = timings or Timings()
         if not 1 <= count <= 20:
@@ -355,7 +359,9 @@ class Orchestrator(OrchestratorCore):
         async with self._lock(sandbox_id):
             parent = self.get(sandbox_id)
             if parent.state is not State.RUNNING:
-                raise Conflict(f"sandbox {sandbox_id!r} must be running to fork (it is {parent.state})")
+                raise Conflict(
+                    f"sandbox {sandbox_id!r} must be running to fork (it is {parent.state})"
+                )
             snap_id = await self._snapshot_locked(parent, t, names=[], internal=True)
         ttl = timeout
         if ttl is None:

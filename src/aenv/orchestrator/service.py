@@ -118,9 +118,14 @@ class OrchestratorCore:
                 if r.state not in (State.RUNNING, State.PAUSED):
                     r.state = State.RUNNING
                 log.info("recovered sandbox %s (%s)", r.sandbox_id, r.state)
-            elif r.state is State.PAUSED and r.paused_state and r.paused_state.get("tier") in (
-                "hibernated",
-                "files",
+            elif (
+                r.state is State.PAUSED
+                and r.paused_state
+                and r.paused_state.get("tier")
+                in (
+                    "hibernated",
+                    "files",
+                )
             ):
                 r.instance = None  # durable on disk; nothing was running
             elif r.state is not State.LOST:
@@ -133,7 +138,9 @@ class OrchestratorCore:
         if self.durable is not None:
             await self.durable.start()
         for tid, doc, _names in await asyncio.to_thread(self.catalog.templates):
-            await asyncio.to_thread(self.storage.hold, "template", tid, list(doc.get("layers") or []))
+            await asyncio.to_thread(
+                self.storage.hold, "template", tid, list(doc.get("layers") or [])
+            )
         self._loop_task = asyncio.create_task(self._timer_loop(), name="aenv-timers")
         self._refill_warm()
 
@@ -391,7 +398,13 @@ class OrchestratorCore:
                 return adopted
         self._reserve(mem)
         r = self._new_record(
-            template_id=template_id, alias=alias, doc=doc, req=req, timeout=timeout, cpu=cpu, mem=mem
+            template_id=template_id,
+            alias=alias,
+            doc=doc,
+            req=req,
+            timeout=timeout,
+            cpu=cpu,
+            mem=mem,
         )
         self._records[r.sandbox_id] = r
         try:

@@ -70,10 +70,6 @@ class SandboxStorage:
     def remove_image(self, name: str) -> None:
         shutil.rmtree(self.image_dir(name), ignore_errors=True)
 
-    def image_size(self, name: str) -> int:
-        d = self.image_dir(name)
-        return sum(f.stat().st_size for f in d.iterdir()) if d.is_dir() else 0
-
     def link_image(self, src: str, dst: str) -> Path:
         """A second name for an image (hard links: images are never modified in place)."""
         s, d = self.image_dir(src), self.fresh_image_dir(dst)
