@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 import uuid
@@ -33,6 +34,12 @@ def _wait_published(server: Server, template_id: str, timeout: float = 120) -> N
     while not _template_doc(server, template_id).get("published"):
         assert time.time() < deadline, f"snapshot {template_id} was never published"
         time.sleep(0.3)
+
+
+def _s3_keys(endpoint: str, bucket: str, prefix: str) -> list[str]:
+    r = httpx.get(f"{endpoint}/{bucket}", params={"list-type": "2", "prefix": prefix}, timeout=10)
+    r.raise_for_status()
+    return re.findall(r"<Key>([^<]+)</Key>", r.text)
 
 
 def test_corrupt_artifact_is_a_clear_error(e2b_env: Server, sandboxes: list[object]) -> None:
@@ -70,13 +77,31 @@ def test_snapshot_travels_through_s3_to_a_fresh_node(s3_endpoint: str) -> None:
         AWS_DEFAULT_REGION="us-east-1",
     )
     name = f"s3-{uuid.uuid4().hex[:8]}"
-    with running_server("aes3a", "10.208.0.0/16", **s3) as a:
+    with running_server("aes3a", "10.208.0.0/16", AENV_HIBERNATE_AFTER="0", **s3) as a:
         c = {"api_key": a.api_key, "api_url": a.url, "sandbox_url": a.url}
         s = Sandbox.create(template="base", timeout=120, **c)  # type: ignore[arg-type]
         s.files.write("/home/user/travel.txt", "across nodes")
         s.commands.run("sleep 4321", background=True)
         snap = s.create_snapshot(name=name)
         _wait_published(a, snap.snapshot_id)
+        # A hibernated sandbox goes to the bucket too, and comes back from it.
+        s.files.write("/home/user/hib.txt", "slept in s3")
+        assert s.pause()
+        deadline = time.time() + 60
+        while not (hib := _s3_keys(s3_endpoint, bucket, f"nodes/manifests/hib-{s.sandbox_id}")):
+            assert time.time() < deadline, "the hibernated sandbox never reached the bucket"
+            time.sleep(0.3)
+        assert not list((a.home / "images").glob(f"hib-{s.sandbox_id}*"))
+        for d in (a.home / "cache" / "images").glob(f"hib-{s.sandbox_id}*"):
+            shutil.rmtree(d)  # evicted from the node's cache: resume must download it
+        again = Sandbox.connect(s.sandbox_id, **c)  # type: ignore[arg-type]
+        assert again.files.read("/home/user/hib.txt") == "slept in s3"
+        assert "sleep 4321" in again.commands.run("ps aux").stdout
+        deadline = time.time() + 60
+        while _s3_keys(s3_endpoint, bucket, hib[0]):
+            assert time.time() < deadline, "the resumed sandbox stayed in the bucket"
+            time.sleep(0.3)
+        again.kill()
     # A new node with an empty home and the same bucket.
     with running_server("aes3b", "10.209.0.0/16", **s3) as b:
         assert not (b.home / "images" / snap.snapshot_id).exists()

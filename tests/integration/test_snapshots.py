@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import time
 
@@ -80,14 +81,32 @@ def test_hibernate_then_resume_from_disk(e2b_env: Server, sandboxes: list[object
     assert s.pause()
     # The server hibernates frozen sandboxes after AENV_HIBERNATE_AFTER=5 s.
     deadline = time.time() + 30
-    while (sandbox_record(e2b_env.home, s.sandbox_id)["paused_state"] or {}).get("tier") != "hibernated":
+    while (sandbox_record(e2b_env.home, s.sandbox_id)["paused_state"] or {}).get(
+        "tier"
+    ) != "hibernated":
         assert time.time() < deadline, "the paused sandbox was never hibernated"
         time.sleep(0.5)
-    assert sandbox_record(e2b_env.home, s.sandbox_id)["instance"] is None
+    rec = sandbox_record(e2b_env.home, s.sandbox_id)
+    assert rec["instance"] is None
+    image = str(rec["paused_state"]["image"])
+    # The hibernated sandbox lives in the repository; the node keeps the image only in its
+    # bounded cache. Drop that copy too: resuming must fetch it back from the repository.
+    manifest = e2b_env.home / "repo" / "manifests" / f"{image}.json"
+    deadline = time.time() + 30
+    while not manifest.exists():
+        assert time.time() < deadline, "the hibernated sandbox was never published"
+        time.sleep(0.2)
+    assert not (e2b_env.home / "images" / image).exists()
+    shutil.rmtree(e2b_env.home / "cache" / "images" / image, ignore_errors=True)
     again = Sandbox.connect(s.sandbox_id)
     v = counter(again)
     rising(again, v)
     assert again.commands.run("echo alive").stdout == "alive\n"
+    # Resumed: the repository no longer holds it.
+    deadline = time.time() + 30
+    while manifest.exists():
+        assert time.time() < deadline, "the resumed sandbox's hibernation stayed in the repository"
+        time.sleep(0.2)
 
 
 def test_pause_without_memory_keeps_files_only(e2b_env: Server, sandboxes: list[object]) -> None:
@@ -119,7 +138,10 @@ def test_proxy_on_paused_sandbox(e2b_env: Server, sandboxes: list[object]) -> No
         try:
             assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
             assert c.get(f"/sandboxes/{sid}").json()["lifecycle"]["autoResume"] is True
-            r = httpx.get(f"{e2b_env.url}/health", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"})
+            r = httpx.get(
+                f"{e2b_env.url}/health",
+                headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"},
+            )
             assert r.status_code == 204
             assert c.get(f"/sandboxes/{sid}").json()["state"] == "running"
         finally:
@@ -128,7 +150,9 @@ def test_proxy_on_paused_sandbox(e2b_env: Server, sandboxes: list[object]) -> No
 
 def test_auto_pause_on_timeout(e2b_env: Server) -> None:
     with e2b_env.client() as c:
-        sid = c.post("/sandboxes", json={"templateID": "base", "timeout": 2, "autoPause": True}).json()["sandboxID"]
+        sid = c.post(
+            "/sandboxes", json={"templateID": "base", "timeout": 2, "autoPause": True}
+        ).json()["sandboxID"]
         try:
             deadline = time.time() + 20
             while c.get(f"/sandboxes/{sid}").json()["state"] != "paused":
@@ -194,7 +218,9 @@ def test_fork_children_continue_and_diverge(e2b_env: Server, sandboxes: list[obj
 def test_fork_reports_partial_failure(e2b_env: Server) -> None:
     # The test server's node budget is 12 GiB: 4 children of 4 GiB cannot all fit.
     with e2b_env.client() as c:
-        big = c.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120, "memoryMB": 4096}).json()
+        big = c.post(
+            "/v2/sandboxes", json={"templateID": "base", "timeout": 120, "memoryMB": 4096}
+        ).json()
         try:
             r = c.post(f"/sandboxes/{big['sandboxID']}/fork", json={"count": 4})
             assert r.status_code == 201

@@ -1,8 +1,10 @@
-"""Snapshots and templates in the durable repository (local directory or S3).
+"""Snapshots, templates and hibernated sandboxes in the durable repository (local or S3).
 
 The node works from local files (layers in the layer store, checkpoint images under
 $AENV_HOME/images); every snapshot/template is also published to the repository in the
-background, checksummed. When a template's image or layers are missing locally (evicted,
+background, checksummed. A hibernated sandbox is published the same way (kind
+"hibernation", id `hib-<sandbox id>-<random>`) and gives its memory image up to the repository and
+the node's bounded image cache; resuming it fetches the image back if the cache let it go. When a template's image or layers are missing locally (evicted,
 or another node made it) they are fetched and verified before anything is restored, so a
 corrupt or missing artifact is a clear error and never a half-restored sandbox. At start-up
 the catalog learns every template the repository holds that it does not know yet.
@@ -11,7 +13,9 @@ the catalog learns every template the repository holds that it does not know yet
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +58,12 @@ class Durable:
         if self._publishing:
             await asyncio.gather(*self._publishing.values(), return_exceptions=True)
 
-    def publish_later(self, template_id: str, doc: dict[str, Any], names: list[str]) -> None:
-        task = asyncio.create_task(self._publish(template_id, doc, names))
+    def publish_later(
+        self, template_id: str, doc: dict[str, Any], names: list[str], *, give_image: bool = False
+    ) -> None:
+        """Publishes in the background. With `give_image` the local checkpoint image is
+        handed over (moved into the repository/cache): use `local_image` to get it back."""
+        task = asyncio.create_task(self._publish(template_id, doc, names, give_image))
         self._publishing[template_id] = task
         task.add_done_callback(lambda _t: self._publishing.pop(template_id, None))
 
@@ -64,14 +72,16 @@ class Durable:
         if task is not None:
             await asyncio.shield(task)
 
-    async def _publish(self, template_id: str, doc: dict[str, Any], names: list[str]) -> None:
+    async def _publish(
+        self, template_id: str, doc: dict[str, Any], names: list[str], give_image: bool
+    ) -> None:
         try:
             image = None
             if doc.get("checkpoint"):
                 image = self.storage.image_dir(str(doc["checkpoint"]))
             manifest = Manifest(
                 id=template_id,
-                kind="snapshot" if doc.get("kind") == "snapshot" else "template",
+                kind=doc["kind"] if doc.get("kind") in ("snapshot", "hibernation") else "template",
                 parent=doc.get("parent"),
                 layers=[LayerRef(digest=d) for d in doc["layers"]],
                 spec=Spec.model_validate(
@@ -87,7 +97,9 @@ class Durable:
                 ),
                 names=names,
             )
-            await self.store.publish(manifest, checkpoint_dir=image)
+            await self.store.publish(manifest, checkpoint_dir=image, move_checkpoint=give_image)
+            if give_image and image is not None:
+                await asyncio.to_thread(self.storage.remove_image, image.name)
             found = await asyncio.to_thread(self.catalog.template, template_id)
             if found is not None:
                 _tid, current, current_names = found
@@ -123,6 +135,32 @@ class Durable:
                 artifact="checkpoint",
             )
         return path
+
+    @contextlib.asynccontextmanager
+    async def local_image(self, image_id: str) -> AsyncIterator[Path]:
+        """A hibernated sandbox's memory image as a local directory for as long as the
+        context lasts: the node's own copy, else the cached or downloaded one (pinned)."""
+        await self.wait_published(image_id)
+        local = self.storage.image_dir(image_id)
+        if (local / "checkpoint.img").is_file():
+            yield local
+            return
+        with self.store.pin(image_id):
+            try:
+                _m, path = await self.store.fetch(image_id)
+            except SnapshotNotFound as e:
+                raise ArtifactError(
+                    f"the memory image {image_id!r} is neither on this node nor in the repository",
+                    snapshot_id=image_id,
+                    artifact="checkpoint",
+                ) from e
+            if path is None:
+                raise ArtifactError(
+                    f"{image_id!r} has no memory image in the repository",
+                    snapshot_id=image_id,
+                    artifact="checkpoint",
+                )
+            yield path
 
     async def ensure_layers(self, template_id: str, doc: dict[str, Any]) -> None:
         missing = [d for d in doc["layers"] if not self.storage.layers.has(d)]

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import logging
+import os
 import re
+import secrets
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -112,16 +116,55 @@ class Orchestrator(OrchestratorCore):
     async def _hibernate_locked(self, r: SandboxRecord, t: Timings) -> None:
         assert r.instance is not None
         inst = Instance.from_json(r.instance)
-        name = f"hib-{r.sandbox_id}"
+        # A new name each time: the previous image may still be being dropped after a resume.
+        name = f"hib-{r.sandbox_id}-{secrets.token_hex(4)}"
         image = await asyncio.to_thread(self.storage.fresh_image_dir, name)
         with t.stage("checkpoint"):
             await self.runtime.checkpoint(inst, image, leave_running=False)
         with t.stage("release"):
             await self.runtime.destroy(inst)
         r.instance = None
+        # Sealed, the files are plain layers: the repository can hold the whole sandbox.
+        await self._restack(r, t, None, reuse=None)
         r.paused_state = {**(r.paused_state or {}), "tier": "hibernated", "image": name}
         await self._save(r)
+        if self.durable is not None:
+            self.durable.publish_later(name, self._hibernation_doc(r, name), [], give_image=True)
         log.info("sandbox %s hibernated", r.sandbox_id)
+
+    def _hibernation_doc(self, r: SandboxRecord, image: str) -> dict[str, Any]:
+        return {
+            "kind": "hibernation",
+            "layers": list(r.layers),
+            "checkpoint": image,
+            "sandbox_id": r.sandbox_id,
+            "parent": r.template_id,
+            "env": r.boot.get("env"),
+            "user": r.boot.get("user"),
+            "workdir": r.boot.get("workdir"),
+            "cpu_count": r.cpu_count,
+            "memory_mb": r.memory_mb,
+            "created_at": utcnow().isoformat(),
+        }
+
+    @contextlib.asynccontextmanager
+    async def _hibernation_image(
+        self, r: SandboxRecord, t: Timings | None = None
+    ) -> AsyncIterator[Path]:
+        name = str((r.paused_state or {})["image"])
+        if self.durable is not None:
+            with (t or Timings()).stage("fetch"):
+                images = self.durable.local_image(name)
+                path = await images.__aenter__()
+            try:
+                yield path
+            finally:
+                await images.__aexit__(None, None, None)
+            return
+        image = self.storage.image_dir(name)
+        if not (image / "checkpoint.img").exists():
+            raise NotFound(f"the memory image of paused sandbox {r.sandbox_id!r} is missing")
+        yield image
 
     # ------------------------------------------------------------------ resume
     async def _resume_locked(self, r: SandboxRecord, t: Timings) -> None:
@@ -136,13 +179,9 @@ class Orchestrator(OrchestratorCore):
                 with t.stage("thaw"):
                     await self.runtime.thaw(Instance.from_json(r.instance))
             elif tier == "hibernated":
-                image = self.storage.image_dir(str(ps["image"]))
-                if not (image / "checkpoint.img").exists():
-                    raise NotFound(
-                        f"the memory image of paused sandbox {r.sandbox_id!r} is missing"
-                    )
-                await self._boot(r, t, image=image, init=False)
-                self._spawn(asyncio.to_thread(self.storage.remove_image, str(ps["image"])))
+                async with self._hibernation_image(r, t) as image:
+                    await self._boot(r, t, image=image, init=False)
+                self._spawn(self._drop_image(str(ps["image"])))
             else:  # files only: boot fresh on the kept upper
                 await self._boot(r, t)
         except BaseException:
@@ -251,9 +290,9 @@ class Orchestrator(OrchestratorCore):
             if tier == "frozen":
                 await self.runtime.freeze(Instance.from_json(r.instance or {}))
         elif tier == "hibernated":
-            # Already on disk: the snapshot shares the hibernation image.
-            await asyncio.to_thread(self.storage.link_image, str(r.paused_state["image"]), snap_id)  # type: ignore[index]
-            await self._restack(r, t, None, reuse=None)
+            # Already on disk (hibernation sealed the files): the snapshot shares its image.
+            async with self._hibernation_image(r) as src:
+                await asyncio.to_thread(self.storage.link_image, src, snap_id)
         else:
             raise Conflict(f"sandbox {r.sandbox_id!r} cannot be snapshotted while {r.state}")
         doc: dict[str, Any] = {
@@ -283,10 +322,12 @@ class Orchestrator(OrchestratorCore):
         """Seal the upper as a layer and (if `image`) restore the sandbox on a fresh one."""
         assert r.upper is not None
         with t.stage("seal"):
-            digest = await asyncio.to_thread(self.storage.seal, Path(r.upper), r.sandbox_id)
-            r.layers = [digest, *r.layers]
-            await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, [digest])
-            r.upper = str(await asyncio.to_thread(self.storage.new_upper, r.sandbox_id))
+            # An untouched upper stays as it is: a layer of nothing would only lengthen the stack.
+            if not await asyncio.to_thread(_is_empty, Path(r.upper)):
+                digest = await asyncio.to_thread(self.storage.seal, Path(r.upper), r.sandbox_id)
+                r.layers = [digest, *r.layers]
+                await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, [digest])
+                r.upper = str(await asyncio.to_thread(self.storage.new_upper, r.sandbox_id))
         if image is not None:
             try:
                 await self._boot(r, t, image=image, reuse=reuse, init=False)
@@ -399,6 +440,11 @@ class Orchestrator(OrchestratorCore):
         await self.delete_template(snap_id)
         record_timings(parent, t)
         return list(results)
+
+
+def _is_empty(d: Path) -> bool:
+    with os.scandir(d) as it:
+        return next(it, None) is None
 
 
 def _parse(ts: str) -> datetime:

@@ -549,7 +549,13 @@ class OrchestratorCore:
         await asyncio.to_thread(self.storage.remove_sandbox, r.sandbox_id)
         await asyncio.to_thread(self.storage.release, "sandbox", r.sandbox_id)
         if r.paused_state and r.paused_state.get("image"):
-            await asyncio.to_thread(self.storage.remove_image, str(r.paused_state["image"]))
+            await self._drop_image(str(r.paused_state["image"]))
+
+    async def _drop_image(self, name: str) -> None:
+        """Removes a hibernation image from the node and the repository."""
+        await asyncio.to_thread(self.storage.remove_image, name)
+        if self.durable is not None:
+            await self.durable.forget(name)
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
         r = self.get(sandbox_id)

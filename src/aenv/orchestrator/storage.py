@@ -70,11 +70,11 @@ class SandboxStorage:
     def remove_image(self, name: str) -> None:
         shutil.rmtree(self.image_dir(name), ignore_errors=True)
 
-    def link_image(self, src: str, dst: str) -> Path:
+    def link_image(self, src: Path, dst: str) -> Path:
         """A second name for an image (hard links: images are never modified in place)."""
-        s, d = self.image_dir(src), self.fresh_image_dir(dst)
+        d = self.fresh_image_dir(dst)
         d.mkdir()
-        for f in s.iterdir():
+        for f in src.iterdir():
             os.link(f, d / f.name)
         return d
 
