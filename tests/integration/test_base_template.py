@@ -144,3 +144,28 @@ def test_user_has_python_and_passwordless_sudo(overlay: Path) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["1000", "0", "3", "/home/user"]
+
+
+@pytest.mark.parametrize(("userspec", "sbin"), [("0:0", True), ("1000:1000", False)])
+def test_login_shell_path_without_spawning_id(overlay: Path, userspec: str, sbin: bool) -> None:
+    # The SDK runs every command as `bash -l -c`; /etc/profile picks PATH by uid.
+    r = subprocess.run(
+        [
+            "chroot",
+            f"--userspec={userspec}",
+            str(overlay),
+            "/usr/bin/env",
+            "-i",
+            "HOME=/",
+            "/bin/bash",
+            "-lx",
+            "-c",
+            'echo "$PATH"',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert ("/usr/sbin" in r.stdout.split(":")) is sbin, r.stdout
+    assert "id -u" not in r.stderr, r.stderr  # bash's $EUID answered, no extra process

@@ -261,3 +261,26 @@ def test_restart_between_pause_and_resume(e2b_env: Server, sandboxes: list[objec
     sandboxes.append(c2)
     assert c2.files.read("/home/user/s.txt") == "snap"
     Sandbox.delete_snapshot(snap_info.snapshot_id)
+
+
+def test_lifecycle_responses_carry_server_timing(e2b_env: Server) -> None:
+    def stages(r: httpx.Response) -> set[str]:
+        assert r.status_code < 300, r.text
+        value = r.headers.get("server-timing", "")
+        return {part.split(";")[0].strip() for part in value.split(",") if part.strip()}
+
+    with e2b_env.client() as c:
+        sid = c.post("/sandboxes", json={"templateID": "base", "timeout": 120}).json()["sandboxID"]
+        made = [sid]
+        try:
+            assert "freeze" in stages(c.post(f"/sandboxes/{sid}/pause"))
+            assert "thaw" in stages(c.post(f"/sandboxes/{sid}/connect", json={"timeout": 120}))
+            snap = c.post(f"/sandboxes/{sid}/snapshots", json={})
+            assert {"checkpoint", "restore", "envd-ready"} <= stages(snap)
+            c.delete(f"/templates/{snap.json()['snapshotID']}")
+            fork = c.post(f"/sandboxes/{sid}/fork", json={"count": 1})
+            made += [x["sandbox"]["sandboxID"] for x in fork.json() if "sandbox" in x]
+            assert {"checkpoint", "children"} <= stages(fork)
+        finally:
+            for x in made:
+                c.delete(f"/sandboxes/{x}")

@@ -52,6 +52,7 @@ from aenv.config import Settings
 from aenv.errors import RuntimeFailure
 from aenv.runtime import _proc, oci, rootfs
 from aenv.runtime.base import Instance, Runtime, SandboxSpec, Stats
+from aenv.runtime.freezer import CGROUP_ROOT, Freezer
 from aenv.runtime.network import NETNS_DIR, SYS_NET, Network, Slot, SlotAddressing, SlotPool
 from aenv.runtime.rootfs import RootfsMounts
 from aenv.runtime.runsc import RUNNING_STATES, Runsc, gather_quiet, is_missing
@@ -60,7 +61,6 @@ log = logging.getLogger("aenv.runtime")
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,100}")
 _BUNDLE_MARKERS = ("instance.json", "config.json")
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 _MAX_SOCKET_PATH = 107  # runsc's control socket `<root>/runsc-<id>.sock` (sun_path)
 OVERLAY_MEMORY = "root:memory"  # rootfs writes in the sentry's memory (no `upper`)
 OVERLAY_NONE = "none"  # rootfs writes to the host overlay's upper dir
@@ -84,6 +84,7 @@ class GVisorRuntime(Runtime):
         self.network = Network(self.addressing)
         self.pool = SlotPool(self.network, settings.net_pool_size)
         self.rootfs = RootfsMounts(settings.home / "mnt")
+        self.freezer = Freezer(CGROUP_ROOT)
         # Containers whose slot (and rootfs, unless stopped) this object holds.
         self._live: dict[str, Instance] = {}
         self._destroying: set[str] = set()
@@ -111,7 +112,8 @@ class GVisorRuntime(Runtime):
 
         recovered: dict[str, Instance] = {}
         stale: list[str] = []
-        for c in await self.runsc.list():
+        # Read from runsc's state files: `runsc list` would hang on a frozen (paused) sandbox.
+        for c in await self.runsc.list_states():
             cid = str(c.get("id"))
             inst = None
             if cid in keep and c.get("status") in RUNNING_STATES:
@@ -212,7 +214,7 @@ class GVisorRuntime(Runtime):
         sandboxes die. Upper dirs (the orchestrator's) are left alone."""
         await self.close()
         await asyncio.to_thread(self.settings.runsc_root.mkdir, parents=True, exist_ok=True)
-        await self._delete_containers([str(c.get("id")) for c in await self.runsc.list()])
+        await self._delete_containers([str(c.get("id")) for c in await self.runsc.list_states()])
         self._live.clear()
         await self.network.cleanup(keep=set())
         await self._unmount_stale(keep=set())
@@ -542,6 +544,7 @@ class GVisorRuntime(Runtime):
         pid = int(inst.extra.get("pid") or 0) or self.runsc.read_pids(cid)[0]
         if pid <= 0 or not self._is_our_sandbox(pid, cid):
             return False
+        self._unfreeze(cid, self._cgroup(inst))
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         return True
@@ -571,16 +574,35 @@ class GVisorRuntime(Runtime):
 
     async def freeze(self, inst: Instance) -> None:
         self._check_not_stopped(inst)
-        await self.runsc.pause(inst.container_id)
+        cgroup = self._cgroup(inst)
+        if await asyncio.to_thread(self.freezer.available, cgroup):
+            await asyncio.to_thread(self.freezer.freeze, cgroup)
+        else:
+            await self.runsc.pause(inst.container_id)
 
     async def thaw(self, inst: Instance) -> None:
         self._check_not_stopped(inst)
-        await self.runsc.resume(inst.container_id)
+        cgroup = self._cgroup(inst)
+        if await asyncio.to_thread(self.freezer.is_frozen, cgroup):
+            await asyncio.to_thread(self.freezer.thaw, cgroup)
+        else:  # paused by runsc (no freezer on this host)
+            await self.runsc.resume(inst.container_id)
+
+    def _unfreeze(self, cid: str, cgroup: str | None = None) -> None:
+        """Thaws a frozen container: runsc commands and even SIGKILL wait on frozen tasks."""
+        cg = cgroup or self._cgroup_path(cid)
+        if self.freezer.is_frozen(cg):
+            self.freezer.thaw(cg)
+
+    def _cgroup(self, inst: Instance) -> str:
+        return str(inst.extra.get("cgroup") or self._cgroup_path(inst.container_id))
 
     async def checkpoint(self, inst: Instance, image_dir: Path, *, leave_running: bool) -> None:
         self._check_not_stopped(inst)
         await asyncio.to_thread(image_dir.mkdir, parents=True, exist_ok=True)
         t0 = time.perf_counter()
+        # A frozen sandbox is checkpointed as it stands: runsc stops its tasks first thing.
+        await asyncio.to_thread(self._unfreeze, inst.container_id, self._cgroup(inst))
         await self._drop_connections(inst)
         await self.runsc.checkpoint(
             inst.container_id,
@@ -681,6 +703,7 @@ class GVisorRuntime(Runtime):
         their gofers are dead, so their mounts and netns can go; reaping may come later."""
         pids: list[int] = []
         for cid in cids:
+            await asyncio.to_thread(self._unfreeze, cid)
             pid, gofer = self.runsc.read_pids(cid)
             if pid > 0 and self._is_our_sandbox(pid, cid):
                 with contextlib.suppress(ProcessLookupError):
@@ -698,6 +721,7 @@ class GVisorRuntime(Runtime):
 
         async def one(cid: str) -> None:
             async with sem:
+                await asyncio.to_thread(self._unfreeze, cid)
                 pid, gofer = self.runsc.read_pids(cid)
                 if pid > 0 and self._is_our_sandbox(pid, cid):
                     with contextlib.suppress(ProcessLookupError):

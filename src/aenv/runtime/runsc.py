@@ -16,6 +16,7 @@ fix is needed.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import json
 import logging
 from pathlib import Path
@@ -203,6 +204,34 @@ class Runsc:
     async def events_stats(self, cid: str) -> dict[str, Any]:
         out = await self("events", "--stats", cid, time_limit=30)
         return dict(json.loads(out.strip().splitlines()[-1]))
+
+    async def list_states(self) -> builtins.list[dict[str, Any]]:
+        """Like `list`, read from runsc's state files without asking any sandbox (a frozen
+        one would never answer): `id`, `status` as runsc last recorded it, `bundle`.
+        Falls back to `runsc list` when a state file does not read as expected."""
+
+        def read() -> builtins.list[dict[str, Any]] | None:
+            out = []
+            for path in sorted(self.root.glob("*_sandbox:*.state")):
+                try:
+                    data = json.loads(path.read_text())
+                    out.append(
+                        {
+                            "id": str(data["id"]),
+                            "status": str(data["status"]),
+                            "bundle": str(data["bundleDir"]),
+                        }
+                    )
+                except FileNotFoundError:
+                    continue  # deleted meanwhile
+                except (OSError, ValueError, KeyError, TypeError):
+                    return None
+            return out
+
+        if not self.root.is_dir():
+            return []
+        found = await asyncio.to_thread(read)
+        return found if found is not None else await self.list()
 
     def sandbox_state_file(self, cid: str) -> Path | None:
         """runsc's own state file of a root container (holds the sandbox and gofer pids)."""

@@ -335,7 +335,9 @@ async def pause_sandbox(
     # TODO: `requireHealthyGuest` once the orchestrator can check envd before pausing.
     memory = body.memory if body is not None and body.memory is not None else True
     await orchestrator.pause(sandbox_id, memory=memory)
-    return Response(status_code=204)
+    response = Response(status_code=204)
+    _add_timing(response, orchestrator.get(sandbox_id))
+    return response
 
 
 @router.post(
