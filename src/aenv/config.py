@@ -40,6 +40,11 @@ class Settings(BaseSettings):
     sandbox_pool_size: int = 2
     # Children restored at once by a fork (each restore is CPU-bound in runsc).
     fork_concurrency: int = 4
+    # Every snapshot/fork puts a layer on the sandbox's stack and one overlay mount takes
+    # ~45 lowers: a stack longer than this is squashed in the background (its top layers
+    # merged into one, same content) down to half this length; 0 turns that off (a stack
+    # past the mount's limit is then squashed before it boots).
+    squash_layers: int = 16
 
     # runtime
     runsc: str = "runsc"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import time
@@ -284,3 +285,60 @@ def test_lifecycle_responses_carry_server_timing(e2b_env: Server) -> None:
         finally:
             for x in made:
                 c.delete(f"/sandboxes/{x}")
+
+
+def test_long_snapshot_chains_are_squashed_without_changing_files(
+    e2b_env: Server, sandboxes: list[object]
+) -> None:
+    # One overlay mount takes ~45 layers and every snapshot adds one: past
+    # AENV_SQUASH_LAYERS (16) the top of the stack is merged in the background.
+    s = Sandbox.create(template="base", timeout=300)
+    sandboxes.append(s)
+    start_counter(s)
+    expected: dict[str, str] = {}
+    snaps = []
+    for i in range(24):
+        # Each round: a new file, an overwrite, a deletion and a dir replaced by a file.
+        s.files.write(f"/home/user/chain/f{i}.txt", f"round {i}")
+        s.files.write("/home/user/chain/latest.txt", f"latest {i}")
+        expected[f"f{i}.txt"] = f"round {i}"
+        if i % 3 == 2:
+            s.files.remove(f"/home/user/chain/f{i - 1}.txt")
+            del expected[f"f{i - 1}.txt"]
+        if i % 4 == 0:
+            s.commands.run(
+                f"mkdir -p /home/user/chain/d{i}/sub && echo x > /home/user/chain/d{i}/sub/x"
+            )
+        if i % 4 == 1:
+            s.commands.run(
+                f"rm -rf /home/user/chain/d{i - 1} && echo file > /home/user/chain/d{i - 1}"
+            )
+            expected[f"d{i - 1}"] = "file\n"
+        snaps.append(s.create_snapshot().snapshot_id)
+    expected["latest.txt"] = "latest 23"
+    deadline = time.time() + 60
+    while len(sandbox_record(e2b_env.home, s.sandbox_id)["layers"]) > 17:
+        assert time.time() < deadline, "the layer stack was never squashed"
+        time.sleep(0.3)
+    layers = sandbox_record(e2b_env.home, s.sandbox_id)["layers"]
+    metas = [
+        json.loads((e2b_env.home / "layers" / d.replace(":", "-") / "meta.json").read_text())
+        for d in layers
+    ]
+    assert any(m["source"].startswith("squash") for m in metas), metas
+
+    def check(sb: Sandbox) -> None:
+        names = {e.name for e in sb.files.list("/home/user/chain")}
+        assert names == set(expected), names ^ set(expected)
+        for name, content in expected.items():
+            assert sb.files.read(f"/home/user/chain/{name}") == content, name
+
+    # The running sandbox boots on the squashed stack at its next re-stack.
+    snaps.append(s.create_snapshot().snapshot_id)
+    check(s)
+    rising(s, counter(s))
+    child = Sandbox.create(template=snaps[-1], timeout=60)
+    sandboxes.append(child)
+    check(child)
+    for sid in snaps:
+        Sandbox.delete_snapshot(sid)

@@ -173,6 +173,7 @@ class Durable:
     async def forget(self, template_id: str) -> None:
         task = self._publishing.get(template_id)
         if task is not None:
+            task.cancel()  # what it uploaded so far is swept with the rest below
             await asyncio.gather(task, return_exceptions=True)
         try:
             await self.store.delete(template_id)

@@ -328,6 +328,7 @@ class Orchestrator(OrchestratorCore):
                 r.layers = [digest, *r.layers]
                 await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, [digest])
                 r.upper = str(await asyncio.to_thread(self.storage.new_upper, r.sandbox_id))
+                self._squash_later(r)
         if image is not None:
             try:
                 await self._boot(r, t, image=image, reuse=reuse, init=False)
@@ -363,10 +364,10 @@ class Orchestrator(OrchestratorCore):
             raise BadRequest("the default template 'base' cannot be deleted")
         await asyncio.to_thread(self.catalog.delete_template, tid)
         await asyncio.to_thread(self.storage.release, "template", tid)
+        if self.durable is not None and not doc.get("internal"):
+            await self.durable.forget(tid)  # first: a publish in flight still reads the image
         if doc.get("checkpoint"):
             await asyncio.to_thread(self.storage.remove_image, str(doc["checkpoint"]))
-        if self.durable is not None and not doc.get("internal"):
-            await self.durable.forget(tid)
 
     def snapshots(
         self, sandbox_id: str | None = None, name: str | None = None

@@ -73,6 +73,9 @@ class SandboxRecord:
     boot: dict[str, Any] = field(default_factory=dict)
     # Where it came from when forked.
     parent_id: str | None = None
+    # Layers a squash replaced that the running container may still have mounted: their
+    # references are dropped once the sandbox boots on the new stack.
+    retired_layers: list[str] = field(default_factory=list)
 
     @property
     def address(self) -> str | None:

@@ -34,6 +34,7 @@ from .catalog import Catalog
 from .durable import Durable
 from .envd_client import EnvdClient
 from .models import CreateRequest, SandboxRecord, State, utcnow
+from .squashing import Squasher, replace_run, run_to_squash
 from .storage import SandboxStorage
 
 log = logging.getLogger("aenv.orchestrator")
@@ -90,6 +91,7 @@ class OrchestratorCore:
         self._bundle = bundle
         self.durable = durable
         self.envd = EnvdClient()
+        self.squasher = Squasher(storage.layers)
         self._records: dict[str, SandboxRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._loop_task: asyncio.Task[None] | None = None
@@ -287,6 +289,10 @@ class OrchestratorCore:
 
         `init_from` is the access token the restored envd still holds (it must authorise
         its own re-initialisation); `init=False` skips /init for a plain resume."""
+        run = run_to_squash(r.layers, 0)
+        if run is not None:  # past what one overlay mount takes: cannot wait for later
+            with t.stage("squash"):
+                await self._apply_squash(r, run, await self.squasher.squash(run, r.sandbox_id))
         spec = self._spec(r)
         inst: Instance | None = None
         try:
@@ -319,7 +325,38 @@ class OrchestratorCore:
             raise RuntimeFailure(
                 f"sandbox {r.sandbox_id} failed to start: {type(e).__name__}: {e}"
             ) from e
+        if r.retired_layers:  # the new container runs on the squashed stack
+            gone = [d for d in r.retired_layers if d not in r.layers]
+            await asyncio.to_thread(self.storage.unhold, "sandbox", r.sandbox_id, gone)
+            r.retired_layers = []
         return inst
+
+    # ------------------------------------------------------------------ squashing
+    def _squash_later(self, r: SandboxRecord) -> None:
+        run = run_to_squash(r.layers, self.settings.squash_layers)
+        if run is not None:
+            self._spawn(self._squash_in_background(r.sandbox_id, run))
+
+    async def _squash_in_background(self, sandbox_id: str, run: builtins.list[str]) -> None:
+        try:
+            merged = await self.squasher.squash(run, sandbox_id)
+        except Exception:
+            log.exception("squashing the layers of %s failed", sandbox_id)
+            return
+        async with self._lock(sandbox_id):
+            r = self._records.get(sandbox_id)
+            if r is not None and r.state not in (State.KILLING, State.KILLED, State.LOST):
+                await self._apply_squash(r, run, merged)
+
+    async def _apply_squash(self, r: SandboxRecord, run: builtins.list[str], merged: str) -> None:
+        new = replace_run(r.layers, run, merged)
+        if new is None:
+            return
+        await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, [merged])
+        r.retired_layers = sorted(set(r.retired_layers) | (set(run) - set(new)))
+        r.layers = new
+        await self._save(r)
+        log.info("sandbox %s: %d layers squashed into %s", r.sandbox_id, len(run), merged)
 
     async def _destroy_quietly(self, inst: Instance) -> None:
         try:
@@ -429,6 +466,7 @@ class OrchestratorCore:
         # The clock starts at readiness, so a slow boot doesn't eat the user's timeout.
         r.end_at = utcnow() + timedelta(seconds=timeout)
         await self._save(r)
+        self._squash_later(r)
         record_timings(r, t)
         return r
 

@@ -81,5 +81,10 @@ class SandboxStorage:
     def hold(self, kind: str, ident: str, digests: list[str]) -> None:
         self.refs.ref_many(digests, holder(kind, ident))
 
+    def unhold(self, kind: str, ident: str, digests: list[str]) -> None:
+        who = holder(kind, ident)
+        for d in digests:
+            self.refs.unref(d, who)
+
     def release(self, kind: str, ident: str) -> None:
         self.refs.release(holder(kind, ident))
