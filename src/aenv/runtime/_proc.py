@@ -226,6 +226,16 @@ def reap(pids: Iterable[int]) -> None:
             settled(pid)
 
 
+MNT_DETACH = 2
+
+
+def umount(target: str, *, lazy: bool = False) -> int:
+    """umount2(2) without starting the umount program; returns 0 or the errno. Sync."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = int(libc.umount2(target.encode(), MNT_DETACH if lazy else 0))
+    return 0 if rc == 0 else ctypes.get_errno()
+
+
 def reap_adopted() -> int:
     """Reaps every exited runsc process adopted by this process (stubs of dead sandboxes,
     sandboxes that died on their own); returns how many."""

@@ -253,8 +253,8 @@ class GVisorRuntime(Runtime):
             if held is not None:
                 cid = held.container_id
                 if await asyncio.to_thread(self.runsc.sandbox_state_file, cid) is not None:
-                    # Left over (its delete failed): the slot is ours, the id is not free.
-                    log.warning("container %s still exists; restarting under a new id", cid)
+                    # Not deleted yet (see stop) or its delete failed: the slot is ours, the
+                    # id is not free. The old container is deleted once this one runs.
                     cid = self._new_cid(spec.sandbox_id)
                 slot = self.addressing.slot(held.slot)
                 # Puts the slot's address back while the rootfs and bundle are prepared.
@@ -438,7 +438,10 @@ class GVisorRuntime(Runtime):
         self._busy.add(cid)
         t0 = time.perf_counter()
         try:
-            await self._remove_container(held, kill=not held.extra.get("checkpointed"))
+            checkpointed = bool(held.extra.get("checkpointed"))
+            # After a checkpoint the sandbox exits by itself; its `runsc delete` is left to
+            # the next start (under a new id) or to destroy, off the snapshot's path.
+            await self._remove_container(held, kill=not checkpointed, delete=not checkpointed)
             await self._release_rootfs(held)
             held.extra.update(
                 stopped=True, pid=0, gofer_pid=0, rootfs_key=None, stopped_at=time.time()
@@ -453,9 +456,10 @@ class GVisorRuntime(Runtime):
             inst.extra.update(held.extra)
         log.info("stopped %s in %.0f ms", cid, (time.perf_counter() - t0) * 1000)
 
-    async def _remove_container(self, inst: Instance, *, kill: bool) -> None:
-        """Kills (unless it exits by itself after a checkpoint) and deletes the container, and
-        waits until its sandbox and gofer processes are gone (so nothing holds its rootfs).
+    async def _remove_container(self, inst: Instance, *, kill: bool, delete: bool = True) -> None:
+        """Kills (unless it exits by itself after a checkpoint) and deletes (unless not
+        `delete`) the container, and waits until its sandbox and gofer processes are gone (so
+        nothing holds its rootfs).
 
         Both exits are reaped before `runsc delete`, which otherwise polls each zombie (up to
         5 s) until init reaps it. The gofer exits by itself once the sandbox is gone."""
@@ -485,6 +489,8 @@ class GVisorRuntime(Runtime):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p, signal.SIGKILL)
             await _proc.wait_exited(left, 10.0)
+        if not delete:
+            return
         try:
             await self.runsc.delete(cid)
         except RuntimeFailure as e:
@@ -528,6 +534,8 @@ class GVisorRuntime(Runtime):
         t0 = time.perf_counter()
         if not self.is_stopped(inst):
             await self._remove_container(inst, kill=True)
+        elif await asyncio.to_thread(self.runsc.sandbox_state_file, cid) is not None:
+            await self._remove_container(inst, kill=True)  # stopped, delete left for later
         if owned:
             await gather_quiet(self.pool.release(inst.slot), self._release_rootfs(inst))
         elif inst.extra.get("rootfs_mount") and not self.is_stopped(inst):

@@ -123,13 +123,18 @@ async def mount_writable(layers: list[Path], upper: Path, work: Path, target: Pa
 
 async def unmount(target: Path) -> bool:
     """Unmounts `target` (lazily when busy); True when nothing is mounted there any more."""
-    if not await asyncio.to_thread(_is_mount_point, target):
+    return await asyncio.to_thread(_unmount, str(target))
+
+
+def _unmount(target: str) -> bool:
+    # The syscall itself: the umount program costs a process start on every snapshot.
+    if not _is_mount_point(Path(target)):
         return True
-    res = await _proc.run(["umount", str(target)], check=False)
-    if res.returncode != 0 and await asyncio.to_thread(_is_mount_point, target):
-        log.warning("umount %s: %s; detaching lazily", target, res.stderr.strip())
-        await _proc.run(["umount", "-l", str(target)], check=False)
-    return not await asyncio.to_thread(_is_mount_point, target)
+    err = _proc.umount(target)
+    if err and _is_mount_point(Path(target)):
+        log.warning("umount %s: %s; detaching lazily", target, os.strerror(err))
+        _proc.umount(target, lazy=True)
+    return not _is_mount_point(Path(target))
 
 
 def remove_work_dir(work: Path) -> None:
