@@ -38,8 +38,11 @@ class Settings(BaseSettings):
     # Sandboxes of the default template booted ahead of demand (envd up, not yet assigned):
     # a create that matches takes one and only has to initialise envd.
     sandbox_pool_size: int = 2
-    # Children restored at once by a fork (each restore is CPU-bound in runsc).
-    fork_concurrency: int = 4
+    # Sandboxes booted or restored at once (create, fork children, resume, pool refill):
+    # each is CPU-bound in runsc and envd, so past a few per core they only slow each other
+    # down (and a starved envd misses its start deadline); the rest wait their turn.
+    # 0: two per CPU core.
+    boot_concurrency: int = 0
     # Every snapshot/fork puts a layer on the sandbox's stack and one overlay mount takes
     # ~45 lowers: a stack longer than this is squashed in the background (its top layers
     # merged into one, same content) down to half this length; 0 turns that off (a stack

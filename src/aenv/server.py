@@ -37,7 +37,9 @@ def serve(settings: Settings) -> None:
     from .api.app import create_app
 
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
     # Every envd health probe would be an INFO line.
     logging.getLogger("httpx").setLevel(logging.WARNING)

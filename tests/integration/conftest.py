@@ -125,7 +125,9 @@ def running_server(prefix: str, cidr: str, **extra: str) -> Iterator[Server]:
         log_path=home / "server.log",
     )
     try:
-        subprocess.run([AENV, "template", "build-base", "--quiet"], env=env, check=True, timeout=900)
+        subprocess.run(
+            [AENV, "template", "build-base", "--quiet"], env=env, check=True, timeout=900
+        )
         srv.start()
         yield srv
     finally:
@@ -155,7 +157,9 @@ def server() -> Iterator[Server]:
 def e2b_env(server: Server) -> Iterator[Server]:
     """Point the stock E2B SDKs at the server through the environment, as a user would."""
     saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
-    os.environ.update(E2B_API_URL=server.url, E2B_SANDBOX_URL=server.url, E2B_API_KEY=server.api_key)
+    os.environ.update(
+        E2B_API_URL=server.url, E2B_SANDBOX_URL=server.url, E2B_API_KEY=server.api_key
+    )
     try:
         yield server
     finally:

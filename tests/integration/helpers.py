@@ -12,7 +12,7 @@ from e2b import Sandbox
 
 # A stdlib-only WebSocket echo server to run inside a sandbox (the base image has python3
 # but no third-party packages). Text frames are echoed as text, binary as binary.
-WS_ECHO_SERVER = r'''
+WS_ECHO_SERVER = r"""
 import base64, hashlib, socket, struct, sys, threading
 GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 def recvn(c, n):
@@ -49,7 +49,7 @@ s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(16)
 while True:
     c, _ = s.accept(); threading.Thread(target=serve, args=(c,), daemon=True).start()
-'''
+"""
 
 
 def sandbox_record(home: Path, sandbox_id: str) -> dict[str, Any]:

@@ -16,9 +16,9 @@ pytestmark = pytest.mark.integration
 PROBE = (
     "python3 -c 'import socket,sys\n"
     "try:\n"
-    "    socket.create_connection((sys.argv[1], int(sys.argv[2])), 2); print(\"OPEN\")\n"
+    '    socket.create_connection((sys.argv[1], int(sys.argv[2])), 2); print("OPEN")\n'
     "except OSError as e:\n"
-    "    print(\"CLOSED\", e)' {host} {port}"
+    '    print("CLOSED", e)\' {host} {port}'
 )
 
 

@@ -40,7 +40,8 @@ def test_http_by_headers_and_host(e2b_env: Server, app_sbx: Sandbox) -> None:
     r = httpx.get(f"{e2b_env.url}/", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "9"})
     assert r.status_code == 502 and r.json()["code"] == 502
     r = httpx.get(
-        f"{e2b_env.url}/", headers={"E2b-Sandbox-Id": "inosuchsandbox00000", "E2b-Sandbox-Port": "8080"}
+        f"{e2b_env.url}/",
+        headers={"E2b-Sandbox-Id": "inosuchsandbox00000", "E2b-Sandbox-Port": "8080"},
     )
     assert r.status_code == 404 and "message" in r.json()
 

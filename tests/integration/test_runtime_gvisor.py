@@ -876,8 +876,15 @@ async def _restack(
         timed(f"restack {tag}: parent downtime", t5 - t0)
         TIMINGS.setdefault(f"restack {tag}: image MiB", []).append(dir_mib(image))
 
-        # Same sandbox, same place: address, slot and container id.
-        assert (restored.address, restored.slot, restored.container_id) == (address, slot, cid)
+        # Same sandbox, same place: address and slot. The container id is new: the old
+        # container's `runsc delete` was left out of the stop and happens now, in the
+        # background.
+        assert (restored.address, restored.slot) == (address, slot)
+        assert restored.container_id != cid and restored.container_id.startswith(f"rs{tag}-")
+        deadline = time.monotonic() + 30
+        while runtime.runsc.sandbox_state_file(cid) is not None:
+            assert time.monotonic() < deadline, "the old container was never deleted"
+            await asyncio.sleep(0.1)
         # Both counters in one read: /root from the sealed layer + new upper, /tmp (gVisor's
         # tmpfs) from the image; the process went on from where it was.
         n, in_tmp = await read_ints(restored, "/root/counter", "/tmp/counter")

@@ -23,7 +23,9 @@ def node_sdk() -> Path:
     if not (JS / "node_modules" / "e2b").is_dir():
         subprocess.run(
             ["npm", "install", "--no-audit", "--no-fund", "--loglevel=error"],
-            cwd=JS, check=True, timeout=600,
+            cwd=JS,
+            check=True,
+            timeout=600,
         )
     return JS
 
@@ -31,7 +33,12 @@ def node_sdk() -> Path:
 def test_js_core_flow(e2b_env: Server, node_sdk: Path) -> None:
     env = dict(os.environ)
     proc = subprocess.run(
-        ["node", "core_flow.mjs"], cwd=node_sdk, env=env, capture_output=True, text=True, timeout=180
+        ["node", "core_flow.mjs"],
+        cwd=node_sdk,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -16,7 +16,10 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def sbx(sandboxes: list[object]) -> Sandbox:
     s = Sandbox.create(
-        template="base", timeout=120, metadata={"suite": "sdk", "who": "pytest"}, envs={"GREETING": "hi"}
+        template="base",
+        timeout=120,
+        metadata={"suite": "sdk", "who": "pytest"},
+        envs={"GREETING": "hi"},
     )
     sandboxes.append(s)
     return s

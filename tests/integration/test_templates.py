@@ -50,7 +50,9 @@ pytestmark = [
     ),
 ]
 
-PASSWD_ROOT = b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
+PASSWD_ROOT = (
+    b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
+)
 CACHE_IMAGES = 6
 CACHE_LAYER_BYTES = 400_000
 
@@ -73,7 +75,9 @@ def busybox_rootfs(passwd: bytes = PASSWD_ROOT, extra: list[Entry] | None = None
         [str(BUSYBOX), "--list"], capture_output=True, text=True, check=True
     ).stdout.split()
     entries += [
-        Entry(f"bin/{a}", "symlink", target="busybox") for a in applets if a not in ("busybox", "bash")
+        Entry(f"bin/{a}", "symlink", target="busybox")
+        for a in applets
+        if a not in ("busybox", "bash")
     ]
     return entries
 
@@ -152,7 +156,11 @@ def images() -> Iterator[Images]:
             "latest",
             lay.image(
                 [(busybox_rootfs(passwd, home), "gzip")],
-                {"Env": ["PATH=/bin", "HELLO=from-image"], "WorkingDir": "/home/app", "User": "1000"},
+                {
+                    "Env": ["PATH=/bin", "HELLO=from-image"],
+                    "WorkingDir": "/home/app",
+                    "User": "1000",
+                },
             ),
         )
         push(lay, "latest", reg, "busybox-user")
@@ -193,9 +201,7 @@ def build_sandboxes(server: Server) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(900)
-def test_sdk_build_with_start_cmd(
-    images: Images, e2b_env: Server, sandboxes: list[object]
-) -> None:
+def test_sdk_build_with_start_cmd(images: Images, e2b_env: Server, sandboxes: list[object]) -> None:
     """The AgentENV compat flow: the start command runs in every sandbox of the template."""
     name = unique("sdk-start")
     logs: list[str] = []
@@ -280,8 +286,13 @@ def test_sdk_failing_run_names_the_step(images: Images, e2b_env: Server) -> None
         .run_cmd("echo never")
     )
     try:
-        with pytest.raises(BuildException, match=r'step 2 RUN "echo oops-on-stderr >&2; false" failed: exit status 1'):
-            Template.build(template, name, skip_cache=True, on_build_logs=lambda e: logs.append(e.message))
+        with pytest.raises(
+            BuildException,
+            match=r'step 2 RUN "echo oops-on-stderr >&2; false" failed: exit status 1',
+        ):
+            Template.build(
+                template, name, skip_cache=True, on_build_logs=lambda e: logs.append(e.message)
+            )
         assert "oops-on-stderr" in logs and "never" not in logs
         with e2b_env.client() as c:
             listed = {t["aliases"][0]: t for t in c.get("/templates").json() if t["aliases"]}
@@ -326,7 +337,9 @@ def test_rebuild_reuses_the_step_cache(images: Images, e2b_env: Server) -> None:
             .set_envs({"K": "v"})
             .run_cmd("cat /m.txt > /m2.txt")
         )
-        Template.build(template, name, skip_cache=True, on_build_logs=lambda e: logs3.append(e.message))
+        Template.build(
+            template, name, skip_cache=True, on_build_logs=lambda e: logs3.append(e.message)
+        )
         assert not any(line.endswith("CACHED") for line in logs3), logs3
         sbx = Sandbox.create(template=name, timeout=60)
         try:
@@ -352,7 +365,12 @@ def _cold(server: Server, body: dict[str, Any]) -> dict[str, Any]:
 def test_cold_start_from_image(images: Images, e2b_env: Server, sandboxes: list[object]) -> None:
     created = _cold(
         e2b_env,
-        {"image": images.busybox_user, "envVars": {"B": "2"}, "metadata": {"k": "v"}, "timeout": 120},
+        {
+            "image": images.busybox_user,
+            "envVars": {"B": "2"},
+            "metadata": {"k": "v"},
+            "timeout": 120,
+        },
     )
     sbx = Sandbox.connect(created["sandboxID"])
     sandboxes.append(sbx)
@@ -434,7 +452,16 @@ def test_cli_pull_and_build(
             CMD ["sh", "-c", "exec sleep 4242"]
             """.replace("\n            ", "\n")
         )
-        r = _aenv(e2b_env, "build", str(ctx / "Dockerfile"), "--name", built, "--build-arg", "WHO=you", "--start")
+        r = _aenv(
+            e2b_env,
+            "build",
+            str(ctx / "Dockerfile"),
+            "--name",
+            built,
+            "--build-arg",
+            "WHO=you",
+            "--start",
+        )
         assert r.returncode == 0, r.stderr
         assert "COPY app /app/" in r.stderr and "build finished" in r.stderr
         sbx = Sandbox.create(template=built, timeout=60)
@@ -450,7 +477,17 @@ def test_cli_pull_and_build(
         r = _aenv(e2b_env, "build", str(ctx), "--name", built, "--build-arg", "WHO=you")
         assert r.returncode == 0, r.stderr
         assert r.stderr.count("CACHED") == 2, r.stderr
-        r = _aenv(e2b_env, "build", str(ctx), "--name", built, "--build-arg", "WHO=you", "-f", str(ctx / "nope"))
+        r = _aenv(
+            e2b_env,
+            "build",
+            str(ctx),
+            "--name",
+            built,
+            "--build-arg",
+            "WHO=you",
+            "-f",
+            str(ctx / "nope"),
+        )
         assert r.returncode == 1 and "no Dockerfile" in r.stderr
         r = _aenv(e2b_env, "template", "rm", built, pulled)
         assert r.returncode == 0 and r.stdout.split() == [built, pulled]

@@ -110,7 +110,9 @@ def test_write_results(tmp_path: Path) -> None:
     assert json.loads(latest.read_text()) == json.loads(dated.read_text()) == doc
     # a partial run leaves latest.json alone
     later = datetime(2026, 1, 2, 3, 9, 9, tzinfo=UTC)
-    none, dated2 = harness.write_results({"partial": True}, tmp_path / "results", later, latest=False)
+    none, dated2 = harness.write_results(
+        {"partial": True}, tmp_path / "results", later, latest=False
+    )
     assert none is None and json.loads(dated2.read_text()) == {"partial": True}
     assert json.loads(latest.read_text()) == doc
 

@@ -66,7 +66,10 @@ def test_parse_spec_as_the_sdk_sends_it() -> None:
         ({"fromImage": "a", "steps": [{"type": "ENV", "args": ["A"]}]}, "pairs"),
         ({"fromImage": "a", "steps": [{"type": "COPY", "args": ["a", "/b"]}]}, "filesHash"),
         (
-            {"fromImage": "a", "steps": [{"type": "COPY", "args": ["../a", "/b"], "filesHash": "x"}]},
+            {
+                "fromImage": "a",
+                "steps": [{"type": "COPY", "args": ["../a", "/b"], "filesHash": "x"}],
+            },
             "outside",
         ),
         ({"fromImage": "a", "steps": [{"type": "RUN", "args": []}]}, "RUN takes"),
@@ -219,7 +222,9 @@ def _copy(root: Path, archive: bytes, **spec: str) -> subprocess.CompletedProces
 def test_copy_helper_docker_semantics(tmp_path: Path) -> None:
     root = tmp_path / "root"
     (root / "etc").mkdir(parents=True)
-    (root / "etc/passwd").write_text("root:x:0:0::/root:/bin/sh\nuser:x:1000:1001::/home/user:/bin/sh\n")
+    (root / "etc/passwd").write_text(
+        "root:x:0:0::/root:/bin/sh\nuser:x:1000:1001::/home/user:/bin/sh\n"
+    )
     (root / "etc/group").write_text("root:x:0:\nstaff:x:50:\n")
     archive = _tar({"app/run.sh": b"echo", "app/lib/x.py": b"x", "one.txt": b"1", "two.txt": b"2"})
     # A directory source copies its contents.
@@ -297,7 +302,10 @@ async def test_routes_request_upload_and_status(tmp_path: Path) -> None:
         # Starting a build whose COPY files are missing is refused before anything runs.
         r = await c.post(
             f"/v2/templates/{tid}/builds/{bid}",
-            json={"fromImage": "x", "steps": [{"type": "COPY", "args": ["a", "/a"], "filesHash": "nope"}]},
+            json={
+                "fromImage": "x",
+                "steps": [{"type": "COPY", "args": ["a", "/a"], "filesHash": "nope"}],
+            },
         )
         assert r.status_code == 400 and "not uploaded" in r.json()["message"]
 
@@ -315,10 +323,16 @@ async def test_routes_request_upload_and_status(tmp_path: Path) -> None:
             assert r.status_code == 200, r.text
             data = r.json()
             assert data["status"] == "error"
-            assert data["reason"] == {"message": 'step 1 RUN "false" failed: exit status 1', "step": "1"}
+            assert data["reason"] == {
+                "message": 'step 1 RUN "false" failed: exit status 1',
+                "step": "1",
+            }
             if not data["logEntries"]:
                 break
-            assert len(data["logEntries"]) <= 100 and data["logs"][0] == data["logEntries"][0]["message"]
+            assert (
+                len(data["logEntries"]) <= 100
+                and data["logs"][0] == data["logEntries"][0]["message"]
+            )
             seen += data["logs"]
             offset += len(data["logEntries"])
         assert seen == [f"l{i}" for i in range(150)]

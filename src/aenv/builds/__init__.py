@@ -1,13 +1,13 @@
 """Template builds (E2B's `Template.build()`), OCI images as sandboxes, Dockerfiles.
 
-    spec.py        the build request (fromImage/fromTemplate, steps, startCmd/readyCmd) and
-                   the per-step cache key
-    store.py       SQLite under $AENV_HOME/builds.db: builds, their log entries, the step cache
-    files.py       uploaded COPY contexts ($AENV_HOME/build-files/<hash>) and signed upload URLs
-    stack.py       host-side reads of a layer stack (/etc/passwd) and user resolution
-    images.py      pulling images (registry settings, credentials) and booting sandboxes on a
-                   layer stack through a transient internal template doc (cold start)
-    steps.py       what one step does inside a build sandbox (RUN, COPY, WORKDIR, start/ready)
-    builder.py     the build runner: one background task per build, step after step
-    dockerfile.py  a Dockerfile parser that turns a Dockerfile into the same build request
+spec.py        the build request (fromImage/fromTemplate, steps, startCmd/readyCmd) and
+               the per-step cache key
+store.py       SQLite under $AENV_HOME/builds.db: builds, their log entries, the step cache
+files.py       uploaded COPY contexts ($AENV_HOME/build-files/<hash>) and signed upload URLs
+stack.py       host-side reads of a layer stack (/etc/passwd) and user resolution
+images.py      pulling images (registry settings, credentials) and booting sandboxes on a
+               layer stack through a transient internal template doc (cold start)
+steps.py       what one step does inside a build sandbox (RUN, COPY, WORKDIR, start/ready)
+builder.py     the build runner: one background task per build, step after step
+dockerfile.py  a Dockerfile parser that turns a Dockerfile into the same build request
 """

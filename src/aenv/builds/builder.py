@@ -435,7 +435,9 @@ class Builder:
                 await asyncio.to_thread(self.store.cache, key, layers[0])
         doc.update(layers=layers, created_at=utcnow().isoformat())
         await self._register(b, doc)
-        self._log(ab, "info", f"[finalize] template {b.template_id} registered ({len(layers)} layers)")
+        self._log(
+            ab, "info", f"[finalize] template {b.template_id} registered ({len(layers)} layers)"
+        )
 
     async def _has_dir(self, layers: list[str], path: str | None) -> bool:
         if not path:
@@ -457,7 +459,9 @@ class Builder:
     def _pull_logger(self, ab: ActiveBuild) -> Any:
         def report(p: LayerProgress) -> None:
             if p.status == "done":
-                self._log(ab, "info", f"[base] pulled layer {p.digest[:19]} ({p.total / 1e6:.1f} MB)")
+                self._log(
+                    ab, "info", f"[base] pulled layer {p.digest[:19]} ({p.total / 1e6:.1f} MB)"
+                )
             elif p.status == "present" and p.done == p.total:
                 self._log(ab, "debug", f"[base] layer {p.digest[:19]} already present")
 
@@ -507,7 +511,11 @@ class Builder:
     ) -> list[str]:
         what = f"step {n} {step.describe()}" if n is not None else f"finalize {step.describe()}"
         entries = await asyncio.to_thread(self.images.passwd, layers)
-        want = step.args[1] if step.type == "RUN" and len(step.args) > 1 and step.args[1] else state.user
+        want = (
+            step.args[1]
+            if step.type == "RUN" and len(step.args) > 1 and step.args[1]
+            else state.user
+        )
         user, warning = stack.resolve_user(entries, want)
         if warning:
             self._log(ab, "warn", f"{what}: {warning}")
@@ -584,7 +592,9 @@ class Builder:
         extra = {k: v for k, v in doc.items() if k not in ("env", "user", "workdir")}
         extra.update(parent=origin_of(doc), names=b.names)
         self._log(ab, "info", "[finalize] snapshotting the running sandbox (memory and files)")
-        tid, _ = await self.orch.snapshot(rec.sandbox_id, None, template_id=b.template_id, extra=extra)
+        tid, _ = await self.orch.snapshot(
+            rec.sandbox_id, None, template_id=b.template_id, extra=extra
+        )
         found = await asyncio.to_thread(self.orch.catalog.template, tid)
         assert found is not None
         await self._register(b, found[1], snapshot=True)
@@ -655,8 +665,10 @@ class Builder:
             await asyncio.to_thread(self.orch.catalog.put_template, tid, doc, b.names)
         else:
             await self.orch.register_template(tid, doc, b.names)
-        if old is not None and old[1].get("checkpoint") and old[1]["checkpoint"] != doc.get(
-            "checkpoint"
+        if (
+            old is not None
+            and old[1].get("checkpoint")
+            and old[1]["checkpoint"] != doc.get("checkpoint")
         ):
             await asyncio.to_thread(self.orch.storage.remove_image, str(old[1]["checkpoint"]))
 

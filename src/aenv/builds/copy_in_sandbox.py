@@ -120,8 +120,10 @@ def main(spec: dict[str, Any]) -> None:
         pattern = os.path.normpath(os.path.join(scratch, src.rstrip("/") or "."))
         if not (pattern == scratch or pattern.startswith(scratch + os.sep)):
             fail(f"COPY: source {src!r} is outside the build context")
-        matches = sorted(glob.glob(pattern)) if glob.has_magic(src) else (
-            [pattern] if os.path.lexists(pattern) else []
+        matches = (
+            sorted(glob.glob(pattern))
+            if glob.has_magic(src)
+            else ([pattern] if os.path.lexists(pattern) else [])
         )
         if not matches:
             fail(f"COPY: no source files were specified ({src!r} matched nothing)")

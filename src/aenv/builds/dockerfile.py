@@ -109,9 +109,7 @@ def _instructions(text: str) -> list[_Instruction]:
         while parts[-1].endswith(escape) and i <= len(lines):
             parts[-1] = parts[-1][: -len(escape)]
             # Comment and blank lines inside a continuation are skipped.
-            while i < len(lines) and (
-                not lines[i].strip() or lines[i].strip().startswith("#")
-            ):
+            while i < len(lines) and (not lines[i].strip() or lines[i].strip().startswith("#")):
                 i += 1
             if i >= len(lines):
                 break
@@ -303,8 +301,10 @@ def parse_dockerfile(text: str, build_args: Mapping[str, str] | None = None) -> 
             flags, rest = _flags(rest, line)
             globals_env = {k: v for k, v in global_args.items() if v is not None}
             words = _words(expand(rest, globals_env, line), line)
-            if not words or (len(words) not in (1, 3)) or (
-                len(words) == 3 and words[1].upper() != "AS"
+            if (
+                not words
+                or (len(words) not in (1, 3))
+                or (len(words) == 3 and words[1].upper() != "AS")
             ):
                 raise DockerfileError(f"line {line}: FROM takes an image [AS name]")
             if words[0] == "scratch":
@@ -381,7 +381,9 @@ def parse_dockerfile(text: str, build_args: Mapping[str, str] | None = None) -> 
                 labels[key] = value
         elif kw == "VOLUME":
             vol_list = _json_list(rest)
-            vols = vol_list if vol_list is not None else _words(expand(rest, variables(), line), line)
+            vols = (
+                vol_list if vol_list is not None else _words(expand(rest, variables(), line), line)
+            )
             df.metadata.setdefault("volumes", []).extend(vols)
         elif kw == "STOPSIGNAL":
             df.metadata["stopsignal"] = expand(rest.strip(), variables(), line)
@@ -401,7 +403,9 @@ def parse_dockerfile(text: str, build_args: Mapping[str, str] | None = None) -> 
     return df
 
 
-def _copy(df: Dockerfile, ins: _Instruction, variables: dict[str, str], workdir: str | None) -> None:
+def _copy(
+    df: Dockerfile, ins: _Instruction, variables: dict[str, str], workdir: str | None
+) -> None:
     line = ins.line
     flags, rest = _flags(ins.rest, line)
     if "from" in flags:
@@ -424,9 +428,7 @@ def _copy(df: Dockerfile, ins: _Instruction, variables: dict[str, str], workdir:
     if trailing and dest != "/":
         dest += "/"
     if len(sources) > 1 and not dest.endswith("/"):
-        raise DockerfileError(
-            f"line {line}: with several sources the destination must end with /"
-        )
+        raise DockerfileError(f"line {line}: with several sources the destination must end with /")
     owner = expand(flags.get("chown", ""), variables, line)
     mode = flags.get("chmod", "")
     if mode and not re.fullmatch(r"0?[0-7]{3,4}", mode):

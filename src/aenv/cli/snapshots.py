@@ -10,7 +10,9 @@ from rich.table import Table
 from .client import _seg
 from .output import console, print_json, print_table
 
-snapshot_app = typer.Typer(help="Snapshots: templates made from running sandboxes.", no_args_is_help=True)
+snapshot_app = typer.Typer(
+    help="Snapshots: templates made from running sandboxes.", no_args_is_help=True
+)
 
 
 def _control(ctx: typer.Context) -> Any:

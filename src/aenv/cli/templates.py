@@ -337,7 +337,9 @@ class PullProgress:
 # -- commands -----------------------------------------------------------------------------
 
 
-def register(app: typer.Typer, template_app: typer.Typer, state_of: Callable[[Any], CliState]) -> None:
+def register(
+    app: typer.Typer, template_app: typer.Typer, state_of: Callable[[Any], CliState]
+) -> None:
     @app.command("pull")
     def pull(
         ctx: typer.Context,
@@ -478,7 +480,13 @@ def register(app: typer.Typer, template_app: typer.Typer, state_of: Callable[[An
             spec["readyCmd"] = ready_cmd
         with state_of(ctx).control() as cp:
             done = run_build(
-                cp, name, spec, cpu=cpu, memory=memory, uploads=uploads, context=context,
+                cp,
+                name,
+                spec,
+                cpu=cpu,
+                memory=memory,
+                uploads=uploads,
+                context=context,
                 verbose=verbose,
             )
         print(done["templateID"])
@@ -505,4 +513,3 @@ def register(app: typer.Typer, template_app: typer.Typer, state_of: Callable[[An
                 print(t, flush=True)
         if failed:
             raise typer.Exit(1)
-

@@ -408,32 +408,31 @@ class Orchestrator(OrchestratorCore):
         ttl = timeout
         if ttl is None:
             ttl = max(1, int((parent.end_at - utcnow()).total_seconds()))
-        sem = asyncio.Semaphore(max(1, self.settings.fork_concurrency))
         ct = Timings()
 
         async def child() -> ForkResult:
-            async with sem:
-                req = CreateRequest(
-                    template_id=snap_id,
-                    timeout=ttl,
-                    metadata=dict(parent.metadata),
-                    env_vars=dict(parent.env_vars),
-                    auto_pause=parent.auto_pause,
-                    auto_pause_memory=parent.auto_pause_memory,
-                    auto_resume=parent.auto_resume,
-                    secure=bool(parent.envd_access_token),
-                )
-                try:
-                    c = await self.create(req, timings=ct)
-                except AenvError as e:
-                    return ForkResult(error=e)
-                except Exception as e:
-                    return ForkResult(error=AenvError(f"fork child failed: {e}"))
-                c.template_id = parent.template_id
-                c.alias = parent.alias
-                c.parent_id = parent.sandbox_id
-                await self._save(c)
-                return ForkResult(sandbox=c)
+            # Children queue for boot slots like any create (OrchestratorCore._boot).
+            req = CreateRequest(
+                template_id=snap_id,
+                timeout=ttl,
+                metadata=dict(parent.metadata),
+                env_vars=dict(parent.env_vars),
+                auto_pause=parent.auto_pause,
+                auto_pause_memory=parent.auto_pause_memory,
+                auto_resume=parent.auto_resume,
+                secure=bool(parent.envd_access_token),
+            )
+            try:
+                c = await self.create(req, timings=ct)
+            except AenvError as e:
+                return ForkResult(error=e)
+            except Exception as e:
+                return ForkResult(error=AenvError(f"fork child failed: {e}"))
+            c.template_id = parent.template_id
+            c.alias = parent.alias
+            c.parent_id = parent.sandbox_id
+            await self._save(c)
+            return ForkResult(sandbox=c)
 
         with t.stage("children"):
             results = await asyncio.gather(*(child() for _ in range(count)))

@@ -92,6 +92,7 @@ class OrchestratorCore:
         self.durable = durable
         self.envd = EnvdClient()
         self.squasher = Squasher(storage.layers)
+        self._boot_slots = asyncio.Semaphore(settings.boot_concurrency or 2 * (os.cpu_count() or 1))
         self._records: dict[str, SandboxRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._loop_task: asyncio.Task[None] | None = None
@@ -295,6 +296,11 @@ class OrchestratorCore:
                 await self._apply_squash(r, run, await self.squasher.squash(run, r.sandbox_id))
         spec = self._spec(r)
         inst: Instance | None = None
+        if self._boot_slots.locked():
+            with t.stage("queue"):
+                await self._boot_slots.acquire()
+        else:
+            await self._boot_slots.acquire()
         try:
             if image is None:
                 with t.stage("boot"):
@@ -325,6 +331,8 @@ class OrchestratorCore:
             raise RuntimeFailure(
                 f"sandbox {r.sandbox_id} failed to start: {type(e).__name__}: {e}"
             ) from e
+        finally:
+            self._boot_slots.release()
         if r.retired_layers:  # the new container runs on the squashed stack
             gone = [d for d in r.retired_layers if d not in r.layers]
             await asyncio.to_thread(self.storage.unhold, "sandbox", r.sandbox_id, gone)

@@ -288,9 +288,7 @@ async def build_logs(
     direction: Literal["forward", "backward"] = "forward",
     level: Literal["debug", "info", "warn", "error"] | None = None,
 ) -> TemplateBuildLogs:
-    _b, entries = await asyncio.to_thread(
-        builder.status, template_id, build_id, 0, 1 << 30, level
-    )
+    _b, entries = await asyncio.to_thread(builder.status, template_id, build_id, 0, 1 << 30, level)
     if cursor is not None:
         entries = [e for e in entries if e.ts * 1000 >= cursor]
     if direction == "backward":

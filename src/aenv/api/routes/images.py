@@ -123,8 +123,13 @@ async def pull_image(body: PullRequest, images: Images = Depends(get_images)) ->
             return
         last[p.digest] = now
         queue.put_nowait(
-            {"type": "layer", "digest": p.digest, "done": p.done, "total": p.total,
-             "status": p.status}
+            {
+                "type": "layer",
+                "digest": p.digest,
+                "done": p.done,
+                "total": p.total,
+                "status": p.status,
+            }
         )
 
     async def run() -> None:

@@ -235,7 +235,9 @@ async def get_template(
 
 
 @router.delete(
-    "/templates/{template_id:path}", status_code=204, response_class=Response,
+    "/templates/{template_id:path}",
+    status_code=204,
+    response_class=Response,
     summary="Delete a template or snapshot (cancels its builds)",
 )
 async def delete_template(
