@@ -32,7 +32,7 @@ class Durable:
         self.store = store
         self.catalog = catalog
         self.storage = storage
-        self._publishing: dict[str, asyncio.Task[None]] = {}
+        self._publishing: dict[str, asyncio.Task[bool]] = {}
 
     async def start(self) -> None:
         await asyncio.to_thread(self.store.clean_staging)
@@ -59,22 +59,20 @@ class Durable:
             await asyncio.gather(*self._publishing.values(), return_exceptions=True)
 
     def publish_later(
-        self, template_id: str, doc: dict[str, Any], names: list[str], *, give_image: bool = False
-    ) -> None:
-        """Publishes in the background. With `give_image` the local checkpoint image is
-        handed over (moved into the repository/cache): use `local_image` to get it back."""
-        task = asyncio.create_task(self._publish(template_id, doc, names, give_image))
+        self, template_id: str, doc: dict[str, Any], names: list[str]
+    ) -> asyncio.Task[bool]:
+        """Publishes in the background; the task's result says whether it worked."""
+        task = asyncio.create_task(self._publish(template_id, doc, names))
         self._publishing[template_id] = task
         task.add_done_callback(lambda _t: self._publishing.pop(template_id, None))
+        return task
 
     async def wait_published(self, template_id: str) -> None:
         task = self._publishing.get(template_id)
         if task is not None:
             await asyncio.shield(task)
 
-    async def _publish(
-        self, template_id: str, doc: dict[str, Any], names: list[str], give_image: bool
-    ) -> None:
+    async def _publish(self, template_id: str, doc: dict[str, Any], names: list[str]) -> bool:
         try:
             image = None
             if doc.get("checkpoint"):
@@ -97,9 +95,7 @@ class Durable:
                 ),
                 names=names,
             )
-            await self.store.publish(manifest, checkpoint_dir=image, move_checkpoint=give_image)
-            if give_image and image is not None:
-                await asyncio.to_thread(self.storage.remove_image, image.name)
+            await self.store.publish(manifest, checkpoint_dir=image)
             found = await asyncio.to_thread(self.catalog.template, template_id)
             if found is not None:
                 _tid, current, current_names = found
@@ -108,10 +104,22 @@ class Durable:
                     self.catalog.put_template, template_id, current, current_names
                 )
             log.info("template %s published to the repository", template_id)
+            return True
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("publishing template %s failed", template_id)
+            return False
+
+    async def hand_over(self, image_id: str) -> None:
+        """Moves the node's copy of a published memory image into the bounded image cache
+        (which may evict it later: `local_image` fetches it back from the repository)."""
+        local = self.storage.image_dir(image_id)
+        if not (local / "checkpoint.img").is_file():
+            return
+        manifest = await self.store.get(image_id)
+        await asyncio.to_thread(self.store.adopt_image, manifest, local)
+        await asyncio.to_thread(self.storage.remove_image, image_id)
 
     async def image_for(self, template_id: str, doc: dict[str, Any]) -> Path:
         """The local directory of a template's checkpoint image, fetched if needed."""
@@ -140,7 +148,6 @@ class Durable:
     async def local_image(self, image_id: str) -> AsyncIterator[Path]:
         """A hibernated sandbox's memory image as a local directory for as long as the
         context lasts: the node's own copy, else the cached or downloaded one (pinned)."""
-        await self.wait_published(image_id)
         local = self.storage.image_dir(image_id)
         if (local / "checkpoint.img").is_file():
             yield local

@@ -129,8 +129,22 @@ class Orchestrator(OrchestratorCore):
         r.paused_state = {**(r.paused_state or {}), "tier": "hibernated", "image": name}
         await self._save(r)
         if self.durable is not None:
-            self.durable.publish_later(name, self._hibernation_doc(r, name), [], give_image=True)
+            self._spawn(self._publish_hibernation(r.sandbox_id, name))
         log.info("sandbox %s hibernated", r.sandbox_id)
+
+    async def _publish_hibernation(self, sandbox_id: str, image: str) -> None:
+        """Publishes a hibernated sandbox; once it is in the repository, the node keeps its
+        memory image only in the bounded image cache."""
+        assert self.durable is not None
+        r = self._records[sandbox_id]
+        task = self.durable.publish_later(image, self._hibernation_doc(r, image), [])
+        (ok,) = await asyncio.gather(task, return_exceptions=True)
+        if ok is not True:
+            return  # failed (logged) or cancelled by a resume/kill: the local copy stays
+        async with self._lock(sandbox_id):
+            still = self._records.get(sandbox_id)
+            if still is not None and (still.paused_state or {}).get("image") == image:
+                await self.durable.hand_over(image)
 
     def _hibernation_doc(self, r: SandboxRecord, image: str) -> dict[str, Any]:
         return {

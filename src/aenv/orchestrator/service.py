@@ -598,10 +598,10 @@ class OrchestratorCore:
             await self._drop_image(str(r.paused_state["image"]))
 
     async def _drop_image(self, name: str) -> None:
-        """Removes a hibernation image from the node and the repository."""
-        await asyncio.to_thread(self.storage.remove_image, name)
+        """Removes a hibernation image from the repository and the node."""
         if self.durable is not None:
-            await self.durable.forget(name)
+            await self.durable.forget(name)  # first: a publish in flight still reads it
+        await asyncio.to_thread(self.storage.remove_image, name)
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
         r = self.get(sandbox_id)

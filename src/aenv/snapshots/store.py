@@ -408,6 +408,15 @@ class SnapshotStore:
                 tmp.unlink(missing_ok=True)
         return CheckpointRef(files=refs), seed
 
+    def adopt_image(self, manifest: Manifest, image_dir: Path) -> None:
+        """Puts a local copy of a published snapshot's memory image into the image cache
+        (moved, or linked to a local repository's objects), as if it had been fetched. The
+        caller gives `image_dir` up. Sync."""
+        if manifest.checkpoint is None:
+            return
+        seed = [(Path(image_dir) / f.name, f) for f in manifest.checkpoint.files]
+        self._seed_cache(manifest.id, manifest.checkpoint, seed)
+
     def _seed_cache(
         self,
         snapshot_id: str,
