@@ -1,7 +1,9 @@
 """The baseline: the same operations done directly with the `runsc` CLI on this machine, in the
 same run, with the same rootfs (the `base` template's layer in the bench's AENV_HOME) and an
 equivalent sandbox: envd from the runtime bundle as the first process (read-only bind mount at
-/opt/aenv), `--overlay2=root:memory`, `--network=sandbox` in a network slot built like the
+/opt/aenv), the rootfs a host overlay of that layer and an upper dir of the container's own
+with `--overlay2=none` (the shape of the server's sandboxes, whose files live on the host:
+a checkpoint holds no file data, a restore re-opens files through the gofer), `--network=sandbox` in a network slot built like the
 server's (router + inner netns, the project's `Network` class, prefix `aebase`), the same
 memory/CPU limits, the same global runsc flags (the project's `Runsc` wrapper, which also
 applies the /proc/sys/net fix to `run`/`restore`).
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.errors import AenvError
-from aenv.runtime import oci
+from aenv.runtime import oci, rootfs
 from aenv.runtime.base import Mount, SandboxSpec
 from aenv.runtime.network import Network, Slot, SlotAddressing
 from aenv.runtime.runsc import Runsc
@@ -50,6 +52,15 @@ class Ctr:
     bundle: Path
     slot: Slot
     memory_mb: int
+    upper: Path
+
+    @property
+    def mount(self) -> Path:
+        return self.bundle / "rootfs"
+
+    @property
+    def work(self) -> Path:
+        return self.upper.parent / f"work-{self.cid}"
 
 
 def find_rootfs(home: Path) -> Path:
@@ -83,6 +94,7 @@ def oci_spec(
     cgroups_path: str,
     memory_mb: int,
     cpus: int = 2,
+    upper: Path | None = None,
 ) -> dict[str, Any]:
     """The OCI config of a baseline sandbox: the server's own (`runtime.oci.config`), so the
     baseline measures exactly the shape our sandboxes run in."""
@@ -94,6 +106,7 @@ def oci_spec(
         mounts=[Mount(runtime_dir, "/opt/aenv", readonly=True)],
         cpu_count=cpus,
         memory_mb=memory_mb,
+        upper=upper,
     )
     return oci.config(spec, rootfs=rootfs, netns_path=netns_path, cgroups_path=cgroups_path)
 
@@ -120,7 +133,7 @@ class RawRunsc:
         self.plan = plan
         self.progress = progress
         self.want = want
-        self.runsc = Runsc("runsc", self.root / "state", overlay="root:memory")
+        self.runsc = Runsc("runsc", self.root / "state", overlay="none")
         self.net = Network(SlotAddressing(NET_PREFIX, NET_CIDR))
         self._next_slot = 0
         self.skip: set[str] = set()
@@ -152,7 +165,12 @@ class RawRunsc:
         from aenv.config import Settings
         from aenv.runtime.bundle import ensure_bundle
 
-        for d in (self.root / "state", self.root / "bundles", self.root / "images"):
+        for d in (
+            self.root / "state",
+            self.root / "bundles",
+            self.root / "images",
+            self.root / "rw",
+        ):
             await asyncio.to_thread(d.mkdir, parents=True, exist_ok=True)
         # Slots and cgroups a killed earlier run may have left (the prefix is the bench's own,
         # and the host lock says no other bench runs).
@@ -183,29 +201,44 @@ class RawRunsc:
 
         return list(await asyncio.gather(*(one() for _ in range(n))))
 
-    def _bundle(self, slot: Slot, memory_mb: int) -> Ctr:
+    def _bundle(self, slot: Slot, memory_mb: int, upper: Path | None) -> Ctr:
         assert self.rootfs is not None and self.runtime_dir is not None
         cid = f"{NET_PREFIX}{secrets.token_hex(6)}"
         bundle = self.root / "bundles" / cid
         bundle.mkdir(parents=True)
+        if upper is None:
+            upper = self.root / "rw" / cid / "upper"
+            upper.mkdir(parents=True)
+        return Ctr(cid, bundle, slot, memory_mb, upper)
+
+    def _config(self, ctr: Ctr) -> None:
+        assert self.runtime_dir is not None
         cfg = oci_spec(
-            rootfs=self.rootfs,
+            rootfs=ctr.mount,
             runtime_dir=self.runtime_dir,
             init_args=self.init_args,
             init_env=self.init_env,
-            netns_path=slot.netns_path,
-            cgroups_path=f"/{NET_PREFIX}/{cid}",
-            memory_mb=memory_mb,
+            netns_path=ctr.slot.netns_path,
+            cgroups_path=f"/{NET_PREFIX}/{ctr.cid}",
+            memory_mb=ctr.memory_mb,
+            upper=ctr.upper,
         )
-        (bundle / "config.json").write_text(json.dumps(cfg, indent=1))
-        return Ctr(cid, bundle, slot, memory_mb)
+        (ctr.bundle / "config.json").write_text(json.dumps(cfg, indent=1))
 
     async def launch(
-        self, slot: Slot, memory_mb: int = DEFAULT_MEMORY_MB, image: Path | None = None
+        self,
+        slot: Slot,
+        memory_mb: int = DEFAULT_MEMORY_MB,
+        image: Path | None = None,
+        upper: Path | None = None,
     ) -> tuple[Ctr, float]:
-        """`runsc run --detach` (or `restore --detach` from `image`); the time of that call."""
-        ctr = await asyncio.to_thread(self._bundle, slot, memory_mb)
+        """`runsc run --detach` (or `restore --detach` from `image`) on a host overlay of the
+        base layer and `upper` (a new one if None); the time of that call."""
+        assert self.rootfs is not None
+        ctr = await asyncio.to_thread(self._bundle, slot, memory_mb, upper)
         self.live[ctr.cid] = ctr
+        await rootfs.mount_writable([self.rootfs], ctr.upper, ctr.work, ctr.mount)
+        await asyncio.to_thread(self._config, ctr)
         args = ["run", "--detach", f"--bundle={ctr.bundle}"]
         if image is not None:
             args = ["restore", "--detach", f"--bundle={ctr.bundle}", f"--image-path={image}"]
@@ -262,7 +295,9 @@ class RawRunsc:
                 await self.runsc.delete(ctr.cid)
             with contextlib.suppress(AenvError):
                 await self.net.teardown(ctr.slot.index)
-            await asyncio.to_thread(shutil.rmtree, ctr.bundle, True)
+            if await rootfs.unmount(ctr.mount):  # never rmtree through a mounted overlay
+                await asyncio.to_thread(shutil.rmtree, ctr.bundle, True)
+                await asyncio.to_thread(shutil.rmtree, ctr.work, True)
 
     async def destroy_all(self, ctrs: list[Ctr]) -> None:
         sem = asyncio.Semaphore(8)
@@ -289,6 +324,8 @@ class RawRunsc:
         with contextlib.suppress(Exception):
             await self.net.cleanup(keep=set())
         await asyncio.to_thread(_remove_cgroups, NET_PREFIX)
+        for mp in await asyncio.to_thread(rootfs.mount_points, self.root):
+            await rootfs.unmount(mp)
         await asyncio.to_thread(shutil.rmtree, self.root, True)
 
     async def fresh(self, memory_mb: int = DEFAULT_MEMORY_MB) -> Ctr:
@@ -416,7 +453,9 @@ class RawRunsc:
                 self.results.add("hibernate", hibernated, baseline=True)
                 await self.destroy(old)
                 slot = await self.slot()
-                new, restored = await self.launch(slot, old.memory_mb, image=image)
+                # Its files, as the server's hibernated sandbox: the same upper.
+                await wait_until(lambda: not rootfs.is_mount_point(old.mount), 10.0, 0.005)
+                new, restored = await self.launch(slot, old.memory_mb, image=image, upper=old.upper)
                 state["ctr"] = new
                 self.results.add("resume_from_disk", restored, baseline=True)
                 await self.exec(new)

@@ -34,6 +34,9 @@ from .service import OrchestratorCore, Timings, new_id, record_timings
 
 log = logging.getLogger("aenv.orchestrator")
 
+# Seconds a hibernated sandbox stays on the node's disk only before it is published.
+PUBLISH_HIBERNATION_AFTER = 5.0
+
 
 @dataclass
 class ForkResult:
@@ -136,8 +139,14 @@ class Orchestrator(OrchestratorCore):
         """Publishes a hibernated sandbox; once it is in the repository, the node keeps its
         memory image only in the bounded image cache."""
         assert self.durable is not None
-        r = self._records[sandbox_id]
-        task = self.durable.publish_later(image, self._hibernation_doc(r, image), [])
+        # Not at once: a sandbox resumed within seconds (the common case for an agent) is
+        # never published, and the publish does not take CPU from that resume.
+        await asyncio.sleep(PUBLISH_HIBERNATION_AFTER)
+        async with self._lock(sandbox_id):
+            r = self._records.get(sandbox_id)
+            if r is None or (r.paused_state or {}).get("image") != image:
+                return
+            task = self.durable.publish_later(image, self._hibernation_doc(r, image), [])
         (ok,) = await asyncio.gather(task, return_exceptions=True)
         if ok is not True:
             return  # failed (logged) or cancelled by a resume/kill: the local copy stays
