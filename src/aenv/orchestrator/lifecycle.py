@@ -21,7 +21,7 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -275,7 +275,7 @@ class Orchestrator(OrchestratorCore):
                 raise Conflict(f"a template or snapshot named {name!r} already exists")
         async with self._lock(sandbox_id):
             r = self.get(sandbox_id)
-            snap_id = await self._snapshot_locked(
+            snap_id, _ = await self._snapshot_locked(
                 r, t, names=[name] if name else [], snap_id=template_id, extra=extra
             )
         record_timings(r, t)
@@ -290,8 +290,13 @@ class Orchestrator(OrchestratorCore):
         internal: bool = False,
         snap_id: str | None = None,
         extra: dict[str, Any] | None = None,
-    ) -> str:
+        restore_later: bool = False,
+    ) -> tuple[str, Coroutine[Any, Any, None] | None]:
+        """Checkpoints the sandbox and registers the snapshot; the sandbox is back when this
+        returns, or (`restore_later`) when the returned coroutine has run: the snapshot is
+        usable before that, so fork children restore while the parent does."""
         snap_id = snap_id or new_id("s")
+        back: Coroutine[Any, Any, None] | None = None
         image = await asyncio.to_thread(self.storage.fresh_image_dir, snap_id)
         tier = (r.paused_state or {}).get("tier") if r.state is State.PAUSED else None
         if r.state is State.RUNNING or tier == "frozen":
@@ -304,14 +309,11 @@ class Orchestrator(OrchestratorCore):
                 await self.runtime.checkpoint(inst, image, leave_running=False)
             with t.stage("stop"):
                 await self.runtime.stop(inst)
-            try:
-                # Back in the same slot and container id: same address for everyone.
-                await self._restack(r, t, image, reuse=inst)
-            except BaseException:
-                await self._destroy_quietly(inst)
-                raise
-            if tier == "frozen":
-                await self.runtime.freeze(Instance.from_json(r.instance or {}))
+            await self._restack(r, t, None, reuse=None)
+            back = self._restore_in_place(r, t, image, inst, refreeze=tier == "frozen")
+            if not restore_later:
+                await back
+                back = None
         elif tier == "hibernated":
             # Already on disk (hibernation sealed the files): the snapshot shares its image.
             async with self._hibernation_image(r) as src:
@@ -335,9 +337,27 @@ class Orchestrator(OrchestratorCore):
             "created_at": utcnow().isoformat(),
             **(extra or {}),
         }
-        await self.register_template(snap_id, doc, names)
-        await self._save(r)
-        return snap_id
+        try:
+            await self.register_template(snap_id, doc, names)
+            await self._save(r)
+        except BaseException:
+            if back is not None:
+                await back  # the sandbox comes back all the same
+            raise
+        return snap_id, back
+
+    async def _restore_in_place(
+        self, r: SandboxRecord, t: Timings, image: Path, stopped: Instance, *, refreeze: bool
+    ) -> None:
+        """Restores a checkpointed, re-stacked sandbox in its own network slot: same address
+        for everyone."""
+        try:
+            await self._restack(r, t, image, reuse=stopped)
+        except BaseException:
+            await self._destroy_quietly(stopped)
+            raise
+        if refreeze:
+            await self.runtime.freeze(Instance.from_json(r.instance or {}))
 
     async def _restack(
         self, r: SandboxRecord, t: Timings, image: Path | None, *, reuse: Instance | None
@@ -427,38 +447,49 @@ class Orchestrator(OrchestratorCore):
                 raise Conflict(
                     f"sandbox {sandbox_id!r} must be running to fork (it is {parent.state})"
                 )
-            snap_id = await self._snapshot_locked(parent, t, names=[], internal=True)
-        ttl = timeout
-        if ttl is None:
-            ttl = max(1, int((parent.end_at - utcnow()).total_seconds()))
-        ct = Timings()
-
-        async def child() -> ForkResult:
-            # Children queue for boot slots like any create (OrchestratorCore._boot).
-            req = CreateRequest(
-                template_id=snap_id,
-                timeout=ttl,
-                metadata=dict(parent.metadata),
-                env_vars=dict(parent.env_vars),
-                auto_pause=parent.auto_pause,
-                auto_pause_memory=parent.auto_pause_memory,
-                auto_resume=parent.auto_resume,
-                secure=bool(parent.envd_access_token),
+            snap_id, parent_back = await self._snapshot_locked(
+                parent, t, names=[], internal=True, restore_later=True
             )
-            try:
-                c = await self.create(req, timings=ct)
-            except AenvError as e:
-                return ForkResult(error=e)
-            except Exception as e:
-                return ForkResult(error=AenvError(f"fork child failed: {e}"))
-            c.template_id = parent.template_id
-            c.alias = parent.alias
-            c.parent_id = parent.sandbox_id
-            await self._save(c)
-            return ForkResult(sandbox=c)
+            ttl = timeout
+            if ttl is None:
+                ttl = max(1, int((parent.end_at - utcnow()).total_seconds()))
+            ct = Timings()
 
+            async def child() -> ForkResult:
+                # Children queue for boot slots like any create (OrchestratorCore._boot).
+                req = CreateRequest(
+                    template_id=snap_id,
+                    timeout=ttl,
+                    metadata=dict(parent.metadata),
+                    env_vars=dict(parent.env_vars),
+                    auto_pause=parent.auto_pause,
+                    auto_pause_memory=parent.auto_pause_memory,
+                    auto_resume=parent.auto_resume,
+                    secure=bool(parent.envd_access_token),
+                )
+                try:
+                    c = await self.create(req, timings=ct)
+                except AenvError as e:
+                    return ForkResult(error=e)
+                except Exception as e:
+                    return ForkResult(error=AenvError(f"fork child failed: {e}"))
+                c.template_id = parent.template_id
+                c.alias = parent.alias
+                c.parent_id = parent.sandbox_id
+                await self._save(c)
+                return ForkResult(sandbox=c)
+
+            with t.stage("children"):
+                # The children restore from the snapshot while the parent does (under its
+                # lock); a parent that fails to come back is marked lost, its children stay.
+                kids = asyncio.ensure_future(asyncio.gather(*(child() for _ in range(count))))
+                if parent_back is not None:
+                    try:
+                        await parent_back
+                    except Exception:
+                        log.exception("fork of %s: the parent did not come back", sandbox_id)
         with t.stage("children"):
-            results = await asyncio.gather(*(child() for _ in range(count)))
+            results = await kids
         # Children no longer need the image; their layers stay (they run on them).
         await self.delete_template(snap_id)
         record_timings(parent, t)
