@@ -560,6 +560,7 @@ class OrchestratorCore:
             try:
                 await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, r.layers)
                 await self._boot(r, Timings(), init=False)
+                await self._warm_up(r)
             except asyncio.CancelledError:
                 self._records.pop(r.sandbox_id, None)
                 await self._forget(r)
@@ -571,6 +572,17 @@ class OrchestratorCore:
                 await asyncio.sleep(5)
                 continue
             self._warm.append(r)
+
+    async def _warm_up(self, r: SandboxRecord) -> None:
+        """Runs one login shell in a pre-booted sandbox: the first command a user runs is
+        otherwise ~45 ms slower (envd's process code and bash's files are read through
+        gVisor's gofer for the first time). Best effort: an image without bash just skips."""
+        assert r.instance is not None
+        rpc = self.envd.rpc(str(r.instance["address"]), ENVD_PORT, "")
+        try:
+            await rpc.run("/bin/bash", ["-l", "-c", "true"], user=r.boot.get("user"), timeout=10)
+        except Exception as e:
+            log.debug("warm-up of %s: %s", r.sandbox_id, e)
 
     # ------------------------------------------------------------------ kill / timeouts
     async def kill(self, sandbox_id: str) -> None:
