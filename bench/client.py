@@ -385,7 +385,7 @@ class Api:
             raise BenchError(f"read file: HTTP {resp.status_code}: {_message(resp)}")
         if expect is not None and len(resp.content) != expect:
             raise BenchError(f"read file: {len(resp.content)} bytes, expected {expect}")
-        return Timed(ms, {}, None, 200)
+        return Timed(ms, {}, resp.content, 200)
 
     # -- cleanup ------------------------------------------------------------------------------
 

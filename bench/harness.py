@@ -34,6 +34,7 @@ LOCK_PATH = Path("/run/lock/aenv-bench.lock")
 MAIN_ROWS = [
     "create_to_first_exec",
     "exec_roundtrip",
+    "spawn_in_sandbox",
     "file_write_1mib",
     "file_read_1mib",
     "pause",

@@ -61,6 +61,7 @@ ROWS: tuple[Row, ...] = (
     Row("create_to_first_exec", "create → first exec (warm pool)", target=Target("p50", 60)),
     Row("create_to_first_exec_cold", "create → first exec (no pool)"),
     Row("exec_roundtrip", "exec `true` round-trip", target=Target("p50", 10)),
+    Row("spawn_in_sandbox", "`bash -l -c true` spawned inside the sandbox (exec's floor)"),
     Row("file_write_1mib", "write 1 MiB file"),
     Row("file_read_1mib", "read 1 MiB file"),
     Row("pause", "pause (freeze)", target=Target("p50", 20)),

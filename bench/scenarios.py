@@ -8,6 +8,7 @@ Sandboxes are removed by id as soon as a row is done; `Api.cleanup` removes the 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -27,6 +28,18 @@ SETTLE_TIMEOUT = 20.0
 DIRTY_TIMEOUT = 120.0
 # A sandbox id no server has: asking about it tells whether a route exists, harmlessly.
 PROBE_ID = "aenv-bench-no-such-sandbox"
+POOL_REFILL_WAIT = 1.5
+SPAWN_FLOOR_PATH = "/tmp/aenv-bench-spawn.py"
+# Times N spawns of what every exec spawns; argv: N, where to write the samples (JSON).
+SPAWN_FLOOR = """import json, subprocess, sys, time
+out = []
+for _ in range(int(sys.argv[1]) + 2):
+    t = time.perf_counter()
+    subprocess.run(["/bin/bash", "-l", "-c", "true"], check=True)
+    out.append((time.perf_counter() - t) * 1000)
+with open(sys.argv[2], "w") as f:
+    json.dump(out[2:], f)
+"""
 
 SampleFn = Callable[[int], Awaitable[tuple[float, dict[str, float]] | None]]
 
@@ -234,17 +247,41 @@ class ServerRows:
             return
         self.progress.step(row, n)
 
-        async def one(_i: int) -> tuple[float, dict[str, float]]:
+        async def one(i: int) -> tuple[float, dict[str, float]]:
+            if i and row == "create_to_first_exec":
+                # The row is the warm-pool path: give the pool (2 by default) time to refill
+                # (a boot and a warm-up, ~0.5 s); back-to-back creates are the concurrent rows.
+                await asyncio.sleep(POOL_REFILL_WAIT)
             sbx, total, stages = await self.create_and_exec()
             await self.kill([sbx])
             return total, stages
 
         await self.loop([row], n, one)
 
+    async def _spawn_floor(self, sbx: Sbx) -> None:
+        """The floor under exec_roundtrip: the same `bash -l -c true`, spawned inside the
+        sandbox by a process already running as the same user (no envd, no network, no
+        credential switch), timed in there."""
+        n = self.plan.exec
+        self.progress.step("spawn_in_sandbox", n)
+        out = SPAWN_FLOOR_PATH + ".json"
+        try:
+            await self.api.write_file(sbx, SPAWN_FLOOR_PATH, SPAWN_FLOOR.encode())
+            await self.api.run(sbx, f"python3 {SPAWN_FLOOR_PATH} {n} {out}", timeout=120)
+            got = await self.api.read_file(sbx, out)
+            samples = [float(x) for x in json.loads(got.data)]
+        except (BenchError, ValueError, TypeError) as exc:
+            self.results.missing(["spawn_in_sandbox"], f"could not measure: {exc}")
+            return
+        for ms in samples:
+            self.results.add("spawn_in_sandbox", ms)
+            self.progress.advance()
+
     async def running_sandbox_rows(self) -> None:
         """exec, files, pause/resume and snapshot, on one long-lived sandbox."""
         rows = [
             "exec_roundtrip",
+            "spawn_in_sandbox",
             "file_write_1mib",
             "file_read_1mib",
             "pause",
@@ -272,6 +309,9 @@ class ServerRows:
                     return t.ms, t.stages
 
                 await self.loop(["exec_roundtrip"], p.exec, run)
+
+            if self.want("spawn_in_sandbox"):
+                await self._spawn_floor(sbx)
 
             if self.want("file_write_1mib") or self.want("file_read_1mib"):
                 data = random_payload(FILE_SIZE)
