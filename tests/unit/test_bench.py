@@ -275,6 +275,8 @@ class FakeServer:
             if method == "POST":
                 self.files[key] = request.content
                 return httpx.Response(200, json=[{"path": key, "name": "x", "type": "file"}])
+            if key not in self.files:
+                return httpx.Response(404, json={"code": 404, "message": f"{key} not found"})
             return httpx.Response(200, content=self.files[key])
         if method == "DELETE" and path.startswith("/sandboxes/"):
             self.killed.append(path.rsplit("/", 1)[1])
