@@ -77,6 +77,85 @@ class Orchestrator(OrchestratorCore):
                 except Exception:
                     log.exception("hibernating %s at shutdown failed", r.sandbox_id)
 
+    # ------------------------------------------------------------------ boot snapshots
+    async def _before_pool(self) -> None:
+        if self._boot_cleaned or not self.settings.boot_snapshots:
+            return
+        self._boot_cleaned = True
+        # Earlier runs' boot snapshots are stale: the envd bundle or runsc may have changed.
+        for old_id, old_doc, _ in await asyncio.to_thread(self.catalog.templates):
+            if old_doc.get("boot_of") and old_doc.get("boot_run") != self._boot_run:
+                await self.delete_template(old_id)
+        found = await asyncio.to_thread(self.catalog.template, "base")
+        if found is not None:
+            doc = found[1]
+            cpu = int(doc.get("cpu_count") or self.settings.default_cpu_count)
+            mem = int(doc.get("memory_mb") or self.settings.default_memory_mb)
+            await self._ensure_boot_snapshot(found[0], cpu, mem)
+
+    async def _ensure_boot_snapshot(self, template_id: str, cpu: int, mem: int) -> None:
+        key = (template_id, cpu, mem)
+        if key in self._boot_tried or self._closing:
+            return
+        self._boot_tried.add(key)
+        try:
+            await self._make_boot_snapshot(template_id, cpu, mem)
+        except Exception as e:
+            log.warning("no boot snapshot of %s (%d CPU, %d MiB): %s", template_id, cpu, mem, e)
+
+    async def _make_boot_snapshot(self, template_id: str, cpu: int, mem: int) -> None:
+        """Boots one sandbox of the template, lets envd start and run one login shell, and
+        snapshots it (an internal snapshot `boot_of` the template, for that size): new
+        sandboxes of that shape restore it instead of paying envd's start-up in gVisor
+        again. The sandbox itself is dropped. Made anew at each start of the node."""
+        found = await asyncio.to_thread(self.catalog.template, template_id)
+        if found is None or found[1].get("checkpoint"):
+            return
+        tid, doc, _names = found
+        self._reserve(mem)
+        r = self._new_record(
+            template_id=tid,
+            alias=None,
+            doc=doc,
+            req=CreateRequest(),
+            timeout=self.settings.default_timeout,
+            cpu=cpu,
+            mem=mem,
+        )
+        self._records[r.sandbox_id] = r
+        t = Timings()
+        try:
+            await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, r.layers)
+            await self._boot(r, t, init=False)
+            await self._warm_up(r)
+            r.state = State.RUNNING
+            async with self._lock(r.sandbox_id):
+                snap_id, back = await self._snapshot_locked(
+                    r,
+                    t,
+                    names=[],
+                    internal=True,
+                    restore_later=True,
+                    extra={
+                        "boot_of": tid,
+                        "boot_from_layers": list(doc["layers"]),
+                        "boot_run": self._boot_run,
+                    },
+                )
+            if back is not None:
+                back.close()  # the source is not wanted back
+        finally:
+            if r.instance:
+                await self._destroy_quietly(Instance.from_json(r.instance))
+            self._records.pop(r.sandbox_id, None)
+            self._locks.pop(r.sandbox_id, None)
+            await self.catalog.adelete_sandbox(r.sandbox_id)
+            await self._forget(r)
+        made = await asyncio.to_thread(self.catalog.template, snap_id)
+        if made is not None:
+            self._boot_snapshots[(tid, cpu, mem)] = (snap_id, made[1])
+            log.info("boot snapshot %s of %s (%d CPU, %d MiB) ready", snap_id, tid, cpu, mem)
+
     # ------------------------------------------------------------------ pause
     async def pause(
         self, sandbox_id: str, memory: bool = True, timings: Timings | None = None
@@ -405,6 +484,10 @@ class Orchestrator(OrchestratorCore):
         tid, doc, _ = found
         if tid == "base":
             raise BadRequest("the default template 'base' cannot be deleted")
+        for key, (boot_id, _boot_doc) in list(self._boot_snapshots.items()):
+            if key[0] == tid:  # its boot snapshots go with it
+                del self._boot_snapshots[key]
+                await self.delete_template(boot_id)
         await asyncio.to_thread(self.catalog.delete_template, tid)
         await asyncio.to_thread(self.storage.release, "template", tid)
         if self.durable is not None and not doc.get("internal"):

@@ -39,6 +39,10 @@ from .storage import SandboxStorage
 
 log = logging.getLogger("aenv.orchestrator")
 
+BootKey = tuple[str, int, int]  # template id, cpu count, memory MiB
+# Shapes of sandbox a node keeps boot snapshots of (each ~20 MiB of memory image).
+MAX_BOOT_SNAPSHOTS = 8
+
 ENVD_PORT = 49983
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 # States in which a sandbox counts against the node's memory budget.
@@ -100,6 +104,12 @@ class OrchestratorCore:
         self.memory_budget_mb = settings.max_memory_mb or int(_host_memory_mb() * 0.9)
         # Pre-booted sandboxes of the default template (see `_take_warm`).
         self._warm: builtins.list[SandboxRecord] = []
+        # Boot snapshots (see lifecycle._make_boot_snapshot), per shape of sandbox:
+        # (template id, cpu, memory MiB) -> (snapshot id, its document); shapes tried.
+        self._boot_snapshots: dict[BootKey, tuple[str, dict[str, Any]]] = {}
+        self._boot_tried: set[BootKey] = set()
+        self._boot_cleaned = False  # boot snapshots of earlier runs deleted
+        self._boot_run = secrets.token_hex(8)  # tells this run's boot snapshots apart
         self._warm_task: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -382,6 +392,7 @@ class OrchestratorCore:
         timeout: int,
         cpu: int,
         mem: int,
+        layers: builtins.list[str] | None = None,
     ) -> SandboxRecord:
         now = utcnow()
         sandbox_id = new_id()
@@ -404,9 +415,13 @@ class OrchestratorCore:
             auto_pause_memory=req.auto_pause_memory,
             auto_resume=req.auto_resume,
             allow_internet_access=req.allow_internet_access,
-            layers=list(doc["layers"]),
+            layers=list(doc["layers"] if layers is None else layers),
             upper=str(self.storage.new_upper(sandbox_id)),
-            boot={k: doc.get(k) for k in ("env", "user", "workdir")},
+            # The template's own layers: a sandbox restored from a boot snapshot runs on more.
+            boot={
+                **{k: doc.get(k) for k in ("env", "user", "workdir")},
+                "from_layers": list(doc["layers"]),
+            },
         )
 
     async def register_template(
@@ -442,6 +457,7 @@ class OrchestratorCore:
             if adopted is not None:
                 return adopted
         self._reserve(mem)
+        boot = self._boot_snapshot_for(template_id, doc, cpu, mem)
         r = self._new_record(
             template_id=template_id,
             alias=alias,
@@ -450,6 +466,7 @@ class OrchestratorCore:
             timeout=timeout,
             cpu=cpu,
             mem=mem,
+            layers=None if boot is None else list(boot["layers"]),
         )
         self._records[r.sandbox_id] = r
         try:
@@ -464,6 +481,8 @@ class OrchestratorCore:
                 else:
                     image = self.storage.image_dir(str(doc["checkpoint"]))
                 await self._boot(r, t, image=image, init_from=doc.get("envd_token") or None)
+            elif boot is not None:
+                await self._boot(r, t, image=self.storage.image_dir(str(boot["checkpoint"])))
             else:
                 await self._boot(r, t)
         except BaseException:
@@ -485,11 +504,8 @@ class OrchestratorCore:
         if doc.get("checkpoint"):
             return None
         for i, w in enumerate(self._warm):
-            if (w.template_id, w.layers, w.cpu_count, w.memory_mb) == (
-                template_id,
-                list(doc["layers"]),
-                cpu,
-                mem,
+            if (w.template_id, w.cpu_count, w.memory_mb) == (template_id, cpu, mem) and (
+                w.boot.get("from_layers") == list(doc["layers"])
             ):
                 return self._warm.pop(i)
         return None
@@ -530,12 +546,13 @@ class OrchestratorCore:
         return w
 
     def _refill_warm(self) -> None:
-        if self._closing or self.settings.sandbox_pool_size <= 0:
-            return
+        if self._closing:
+            return  # (with a pool size of 0 the task still makes the boot snapshot)
         if self._warm_task is None or self._warm_task.done():
             self._warm_task = asyncio.create_task(self._fill_warm(), name="aenv-warm")
 
     async def _fill_warm(self) -> None:
+        await self._before_pool()
         while len(self._warm) < self.settings.sandbox_pool_size and not self._closing:
             found = await asyncio.to_thread(self.catalog.template, "base")
             if found is None:
@@ -547,6 +564,7 @@ class OrchestratorCore:
                 self._reserve(mem)
             except AenvError:
                 return
+            boot = self._boot_snapshot_for(tid, doc, cpu, mem)
             r = self._new_record(
                 template_id=tid,
                 alias=names[0] if names else None,
@@ -555,11 +573,17 @@ class OrchestratorCore:
                 timeout=self.settings.default_timeout,
                 cpu=cpu,
                 mem=mem,
+                layers=None if boot is None else list(boot["layers"]),
             )
             self._records[r.sandbox_id] = r
             try:
                 await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, r.layers)
-                await self._boot(r, Timings(), init=False)
+                if boot is not None:
+                    image = self.storage.image_dir(str(boot["checkpoint"]))
+                    await self._boot(r, Timings(), image=image, init=False)
+                else:
+                    await self._boot(r, Timings(), init=False)
+                # Also after a restore: the files bash and envd map are re-opened lazily.
                 await self._warm_up(r)
             except asyncio.CancelledError:
                 self._records.pop(r.sandbox_id, None)
@@ -572,6 +596,27 @@ class OrchestratorCore:
                 await asyncio.sleep(5)
                 continue
             self._warm.append(r)
+
+    async def _before_pool(self) -> None:
+        """Hook run before the pool is first filled (the boot snapshot, in lifecycle)."""
+
+    def _boot_snapshot_for(
+        self, template_id: str, doc: dict[str, Any], cpu: int, mem: int
+    ) -> dict[str, Any] | None:
+        """The boot snapshot document to restore a new sandbox of this template and size
+        from, if there is a current one; asks for one to be made otherwise."""
+        if not self.settings.boot_snapshots or doc.get("checkpoint"):
+            return None
+        key = (template_id, cpu, mem)
+        found = self._boot_snapshots.get(key)
+        if found is not None and found[1].get("boot_from_layers") == list(doc["layers"]):
+            return found[1]
+        if key not in self._boot_tried and len(self._boot_tried) < MAX_BOOT_SNAPSHOTS:
+            self._spawn(self._ensure_boot_snapshot(template_id, cpu, mem))
+        return None
+
+    async def _ensure_boot_snapshot(self, template_id: str, cpu: int, mem: int) -> None:
+        """Hook: makes the boot snapshot of that shape (lifecycle)."""
 
     async def _warm_up(self, r: SandboxRecord) -> None:
         """Runs one login shell in a pre-booted sandbox: the first command a user runs is
