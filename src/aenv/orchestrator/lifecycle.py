@@ -97,6 +97,8 @@ class Orchestrator(OrchestratorCore):
         key = (template_id, cpu, mem)
         if key in self._boot_tried or self._closing:
             return
+        if self._memory_in_use() + mem > self.memory_budget_mb // 2:
+            return  # speculative: never with memory users may be about to ask for (later)
         self._boot_tried.add(key)
         try:
             await self._make_boot_snapshot(template_id, cpu, mem)

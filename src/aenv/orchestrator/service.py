@@ -260,8 +260,11 @@ class OrchestratorCore:
             raise NotFound(f"template {template_id!r} not found")
         return found
 
+    def _memory_in_use(self) -> int:
+        return sum(r.memory_mb for r in self._records.values() if r.state in _HOLDS_MEMORY)
+
     def _reserve(self, memory_mb: int) -> None:
-        used = sum(r.memory_mb for r in self._records.values() if r.state in _HOLDS_MEMORY)
+        used = self._memory_in_use()
         if used + memory_mb > self.memory_budget_mb:
             raise Unavailable(
                 f"not enough memory on this node: {used} MiB of {self.memory_budget_mb} MiB "
@@ -605,8 +608,8 @@ class OrchestratorCore:
     ) -> dict[str, Any] | None:
         """The boot snapshot document to restore a new sandbox of this template and size
         from, if there is a current one; asks for one to be made otherwise."""
-        if not self.settings.boot_snapshots or doc.get("checkpoint"):
-            return None
+        if not self.settings.boot_snapshots or doc.get("checkpoint") or doc.get("internal"):
+            return None  # (internal: a build step's transient template, used once)
         key = (template_id, cpu, mem)
         found = self._boot_snapshots.get(key)
         if found is not None and found[1].get("boot_from_layers") == list(doc["layers"]):
