@@ -42,6 +42,8 @@ log = logging.getLogger("aenv.orchestrator")
 BootKey = tuple[str, int, int]  # template id, cpu count, memory MiB
 # Shapes of sandbox a node keeps boot snapshots of (each ~20 MiB of memory image).
 MAX_BOOT_SNAPSHOTS = 8
+# Seconds between handing out a pool sandbox and booting its replacement.
+REFILL_DELAY = 0.75
 
 ENVD_PORT = 49983
 _ID_ALPHABET = string.ascii_lowercase + string.digits
@@ -517,7 +519,7 @@ class OrchestratorCore:
         self, w: SandboxRecord, req: CreateRequest, alias: str | None, timeout: int, t: Timings
     ) -> SandboxRecord | None:
         """Turns a pre-booted sandbox into the requested one: only envd's /init is left."""
-        self._refill_warm()
+        self._refill_warm(delay=REFILL_DELAY)
         w.alias = alias
         w.metadata = dict(req.metadata)
         w.env_vars = dict(req.env_vars)
@@ -548,13 +550,16 @@ class OrchestratorCore:
         record_timings(w, t)
         return w
 
-    def _refill_warm(self) -> None:
+    def _refill_warm(self, delay: float = 0.0) -> None:
         if self._closing:
             return  # (with a pool size of 0 the task still makes the boot snapshot)
         if self._warm_task is None or self._warm_task.done():
-            self._warm_task = asyncio.create_task(self._fill_warm(), name="aenv-warm")
+            self._warm_task = asyncio.create_task(self._fill_warm(delay), name="aenv-warm")
 
-    async def _fill_warm(self) -> None:
+    async def _fill_warm(self, delay: float = 0.0) -> None:
+        # After a pool sandbox was handed out, its first commands usually follow at once:
+        # the refill (a restore, CPU-bound) waits instead of competing with them.
+        await asyncio.sleep(delay)
         await self._before_pool()
         while len(self._warm) < self.settings.sandbox_pool_size and not self._closing:
             found = await asyncio.to_thread(self.catalog.template, "base")
