@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
-from types import SimpleNamespace
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -23,6 +22,7 @@ from aenv.api.listing import Cursor, paginate, parse_metadata_filter
 from aenv.config import Settings
 from aenv.errors import BadRequest, Conflict, NotFound
 from aenv.orchestrator.models import CreateRequest, SandboxRecord, State
+from aenv.orchestrator.service import Timings
 
 API_KEY = "e2b_test_key_0123456789"
 BASE = datetime(2025, 1, 1, tzinfo=UTC)
@@ -37,11 +37,16 @@ class FakeOrchestrator:
         self.calls: list[tuple[str, Any]] = []
         self.started = False
         self.closed = False
+        # Stages (ms) the fake reports into the `Timings` a lifecycle call is given.
         self.timings: dict[str, float] | None = None
         self._n = 0
 
     async def start(self) -> None:
         self.started = True
+
+    def _time(self, timings: Timings | None) -> None:
+        if timings is not None and self.timings is not None:
+            timings.stages.update(self.timings)
 
     async def close(self) -> None:
         self.closed = True
@@ -68,7 +73,7 @@ class FakeOrchestrator:
         self.records[sid] = r
         return r
 
-    async def create(self, req: CreateRequest) -> SandboxRecord:
+    async def create(self, req: CreateRequest, timings: Timings | None = None) -> SandboxRecord:
         if req.template_id == "missing":
             raise NotFound(f"template {req.template_id!r} not found")
         await asyncio.sleep(0.01)  # let overlapping requests interleave
@@ -81,8 +86,7 @@ class FakeOrchestrator:
             auto_resume=req.auto_resume,
             envd_access_token="secret" if req.secure else "",
         )
-        if self.timings is not None:
-            r.__dict__["timings"] = dict(self.timings)
+        self._time(timings)
         return r
 
     def get(self, sandbox_id: str) -> SandboxRecord:
@@ -133,20 +137,25 @@ class FakeOrchestrator:
         sandbox_id: str,
         timeout: int | None,  # noqa: ASYNC109 (the Orchestrator's signature)
         memory: bool | None = None,
+        timings: Timings | None = None,
     ) -> tuple[SandboxRecord, bool]:
         r = self.get(sandbox_id)
         self.calls.append(("connect", (sandbox_id, timeout, memory)))
+        self._time(timings)
         if r.state is State.PAUSED:
             r.state = State.RUNNING
             return r, True
         return r, False
 
-    async def pause(self, sandbox_id: str, memory: bool = True) -> None:
+    async def pause(
+        self, sandbox_id: str, memory: bool = True, timings: Timings | None = None
+    ) -> None:
         r = self.get(sandbox_id)
         self.calls.append(("pause", (sandbox_id, memory)))
         if r.state is State.PAUSED:
             raise Conflict(f"sandbox {sandbox_id!r} is already paused")
         r.state = State.PAUSED
+        self._time(timings)
 
     async def resolve(self, sandbox_id: str, port: int) -> tuple[str, int]:
         self.get(sandbox_id)
@@ -452,10 +461,10 @@ async def test_server_timing_header(client: httpx.AsyncClient, orch: FakeOrchest
     orch.timings = {"boot": 12.345, "envd wait": 3}
     r = await client.post("/v2/sandboxes", json={"templateID": "base"})
     assert r.headers["server-timing"] == "boot;dur=12.3, envd_wait;dur=3.0"
-    # The orchestrator's `Timings` object (stages in ms) works too, on connect as well.
+    # On connect as well: the header shows the stages of this request only.
     rec = orch.records[r.json()["sandboxID"]]
     rec.state = State.PAUSED
-    rec.__dict__["timings"] = SimpleNamespace(stages={"thaw": 1.25})
+    orch.timings = {"thaw": 1.25}
     r = await client.post(f"/v2/sandboxes/{rec.sandbox_id}/connect")
     assert r.status_code == 201 and r.headers["server-timing"] == "thaw;dur=1.2"
 

@@ -33,7 +33,7 @@ from ..images.registry import Credential
 from ..images.settings import ImageSettings
 from ..orchestrator.lifecycle import Orchestrator
 from ..orchestrator.models import CreateRequest, SandboxRecord, utcnow
-from ..orchestrator.service import ENVD_PORT
+from ..orchestrator.service import ENVD_PORT, Timings
 from . import stack
 
 log = logging.getLogger("aenv.builds")
@@ -106,7 +106,11 @@ class Images:
 
     # ------------------------------------------------------------------ booting
     async def boot(
-        self, template_id: str, doc: dict[str, Any], req: CreateRequest
+        self,
+        template_id: str,
+        doc: dict[str, Any],
+        req: CreateRequest,
+        timings: Timings | None = None,
     ) -> SandboxRecord:
         """Creates a sandbox from `doc` (an internal template registered for the call)."""
         async with self._lock:
@@ -115,7 +119,7 @@ class Images:
                 await asyncio.to_thread(self._register, template_id, doc)
             self._users[template_id] = count + 1
         try:
-            return await self.orch.create(replace(req, template_id=template_id))
+            return await self.orch.create(replace(req, template_id=template_id), timings)
         finally:
             async with self._lock:
                 self._users[template_id] -= 1
@@ -155,6 +159,7 @@ class Images:
         *,
         registry: Mapping[str, Any] | None = None,
         start_entrypoint: bool = False,
+        timings: Timings | None = None,
     ) -> SandboxRecord:
         pin = holder("coldstart", uuid.uuid4().hex)
         try:
@@ -162,7 +167,7 @@ class Images:
             doc = await asyncio.to_thread(self.image_doc, img)
             meta = image_metadata(img)
             req = replace(req, metadata={**meta, **req.metadata})
-            record = await self.boot(image_template_id(img), doc, req)
+            record = await self.boot(image_template_id(img), doc, req, timings)
         finally:
             await asyncio.to_thread(self.release, pin)
         workdir = doc.get("workdir")

@@ -30,7 +30,7 @@ from typing import Any
 from ..errors import AenvError, BadRequest, Conflict, Gone, NotFound
 from ..runtime.base import Instance
 from .models import CreateRequest, SandboxRecord, State, utcnow
-from .service import OrchestratorCore, Timings, new_id, record_timings
+from .service import OrchestratorCore, Timings, check_timeout, new_id
 
 log = logging.getLogger("aenv.orchestrator")
 
@@ -184,7 +184,6 @@ class Orchestrator(OrchestratorCore):
             await self._save(r)
             if memory and self.settings.hibernate_after <= 0:
                 await self._hibernate_locked(r, t)
-        record_timings(r, t)
 
     async def hibernate(self, sandbox_id: str, timings: Timings | None = None) -> None:
         t = timings or Timings()
@@ -195,7 +194,6 @@ class Orchestrator(OrchestratorCore):
             if (r.paused_state or {}).get("tier") != "frozen":
                 return
             await self._hibernate_locked(r, t)
-        record_timings(r, t)
 
     async def _hibernate_locked(self, r: SandboxRecord, t: Timings) -> None:
         assert r.instance is not None
@@ -306,8 +304,7 @@ class Orchestrator(OrchestratorCore):
         async with self._lock(sandbox_id):
             r = self.get(sandbox_id)
             resumed = False
-            if timeout is not None:
-                self._check_timeout(timeout)
+            check_timeout(timeout, self.settings)
             if r.state is State.PAUSED:
                 if memory is False and (r.paused_state or {}).get("tier") != "files":
                     # E2B's on_resume="reboot": drop the memory, keep the files.
@@ -322,7 +319,6 @@ class Orchestrator(OrchestratorCore):
             elif timeout is not None:
                 r.end_at = max(r.end_at, utcnow() + timedelta(seconds=timeout))
             await self._save(r)
-        record_timings(r, t)
         return r, resumed
 
     async def resolve(self, sandbox_id: str, port: int) -> tuple[str, int]:
@@ -359,7 +355,6 @@ class Orchestrator(OrchestratorCore):
             snap_id, _ = await self._snapshot_locked(
                 r, t, names=[name] if name else [], snap_id=template_id, extra=extra
             )
-        record_timings(r, t)
         return snap_id, [name] if name else []
 
     async def _snapshot_locked(
@@ -523,8 +518,7 @@ class Orchestrator(OrchestratorCore):
         t = timings or Timings()
         if not 1 <= count <= 20:
             raise BadRequest("count must be between 1 and 20")
-        if timeout is not None:
-            self._check_timeout(timeout)
+        check_timeout(timeout, self.settings)
         self.get(sandbox_id)
         async with self._lock(sandbox_id):
             parent = self.get(sandbox_id)
@@ -538,7 +532,6 @@ class Orchestrator(OrchestratorCore):
             ttl = timeout
             if ttl is None:
                 ttl = max(1, int((parent.end_at - utcnow()).total_seconds()))
-            ct = Timings()
 
             async def child() -> ForkResult:
                 # Children queue for boot slots like any create (OrchestratorCore._boot).
@@ -553,7 +546,7 @@ class Orchestrator(OrchestratorCore):
                     secure=bool(parent.envd_access_token),
                 )
                 try:
-                    c = await self.create(req, timings=ct)
+                    c = await self.create(req)
                 except AenvError as e:
                     return ForkResult(error=e)
                 except Exception as e:
@@ -577,7 +570,6 @@ class Orchestrator(OrchestratorCore):
             results = await kids
         # Children no longer need the image; their layers stay (they run on them).
         await self.delete_template(snap_id)
-        record_timings(parent, t)
         return list(results)
 
 

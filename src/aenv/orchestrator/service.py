@@ -12,6 +12,7 @@ import builtins
 import contextlib
 import logging
 import os
+import re
 import secrets
 import string
 import time
@@ -47,6 +48,8 @@ REFILL_DELAY = 0.75
 
 ENVD_PORT = 49983
 _ID_ALPHABET = string.ascii_lowercase + string.digits
+# Characters a Server-Timing metric name (an HTTP token) cannot hold.
+_TOKEN_UNSAFE = re.compile(r"[^A-Za-z0-9!#$%&'*+.^_`|~-]")
 # States in which a sandbox counts against the node's memory budget.
 _HOLDS_MEMORY = {State.CREATING, State.RUNNING, State.PAUSING, State.RESUMING}
 
@@ -71,7 +74,19 @@ class Timings:
             self.stages[name] = self.stages.get(name, 0.0) + (time.perf_counter() - t0) * 1000
 
     def header(self) -> str:
-        return ", ".join(f"{k};dur={v:.1f}" for k, v in self.stages.items())
+        """`name;dur=12.3, other;dur=4.0` (names made HTTP tokens); empty if no stage ran."""
+        return ", ".join(
+            f"{_TOKEN_UNSAFE.sub('_', name) or 'step'};dur={float(ms):.1f}"
+            for name, ms in self.stages.items()
+        )
+
+
+def check_timeout(timeout: int | None, settings: Settings) -> None:
+    """The range check of a sandbox timeout in seconds (None: the default applies). Its upper
+    bound is a setting, so the API's pydantic models cannot hold it: the API calls this before
+    doing any work, the orchestrator again for its other callers."""
+    if timeout is not None and not 0 <= timeout <= settings.max_timeout:
+        raise BadRequest(f"timeout must be between 0 and {settings.max_timeout} seconds")
 
 
 def _host_memory_mb() -> int:
@@ -439,16 +454,12 @@ class OrchestratorCore:
         if self.durable is not None and not doc.get("internal"):
             self.durable.publish_later(template_id, doc, names)
 
-    def _check_timeout(self, timeout: int) -> None:
-        if timeout < 0 or timeout > self.settings.max_timeout:
-            raise BadRequest(f"timeout must be between 0 and {self.settings.max_timeout} seconds")
-
     async def create(self, req: CreateRequest, timings: Timings | None = None) -> SandboxRecord:
         t = timings or Timings()
         s = self.settings
         template_id, doc, names = await asyncio.to_thread(self.template, req.template_id)
         timeout = s.default_timeout if req.timeout is None else req.timeout
-        self._check_timeout(timeout)
+        check_timeout(timeout, self.settings)
         if doc.get("checkpoint"):
             # A snapshot carries memory: the sandbox continues from it with its recorded size.
             cpu, mem = int(doc["cpu_count"]), int(doc["memory_mb"])
@@ -499,7 +510,6 @@ class OrchestratorCore:
         r.end_at = utcnow() + timedelta(seconds=timeout)
         await self._save(r)
         self._squash_later(r)
-        record_timings(r, t)
         return r
 
     # ------------------------------------------------------------------ warm pool
@@ -547,7 +557,6 @@ class OrchestratorCore:
         w.started_at = utcnow()
         w.end_at = w.started_at + timedelta(seconds=timeout)
         await self._save(w)
-        record_timings(w, t)
         return w
 
     def _refill_warm(self, delay: float = 0.0) -> None:
@@ -670,7 +679,7 @@ class OrchestratorCore:
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
         r = self.get(sandbox_id)
-        self._check_timeout(timeout)
+        check_timeout(timeout, self.settings)
         r.end_at = utcnow() + timedelta(seconds=timeout)
         await self._save(r)
         return r
@@ -683,8 +692,3 @@ class OrchestratorCore:
         r.end_at = max(r.end_at, utcnow() + timedelta(seconds=d))
         await self._save(r)
         return r
-
-
-def record_timings(r: SandboxRecord, t: Timings) -> None:
-    # Read by the API for the Server-Timing header; not persisted.
-    r.__dict__["timings"] = t

@@ -18,12 +18,13 @@ from aenv.builds.images import Images
 from aenv.errors import AenvError
 from aenv.images.pull import LayerProgress
 from aenv.orchestrator.models import CreateRequest
+from aenv.orchestrator.service import Timings, check_timeout
 
 from ..auth import require_api_key
 from ..deps import SettingsDep
 from ..models import AutoResume, ErrorBody, Sandbox, _Request
 from .builds import BuilderDep
-from .sandboxes import SERVER_TIMING_HEADER, _check_timeout, server_timing
+from .sandboxes import add_timing
 
 router = APIRouter(
     tags=["images"],
@@ -80,7 +81,7 @@ async def create_cold(
     settings: SettingsDep,
     images: Images = Depends(get_images),
 ) -> Sandbox:
-    _check_timeout(body.timeout, settings)
+    check_timeout(body.timeout, settings)
     req = CreateRequest(
         timeout=body.timeout,
         metadata=dict(body.metadata or {}),
@@ -92,15 +93,15 @@ async def create_cold(
         secure=body.secure is not False,
         allow_internet_access=body.allow_internet_access is not False,
     )
+    timings = Timings()
     record = await images.cold_start(
         body.image,
         req,
         registry=body.registry.as_dict() if body.registry else None,
         start_entrypoint=body.start_entrypoint,
+        timings=timings,
     )
-    timing = server_timing(getattr(record, "timings", None))
-    if timing:
-        response.headers[SERVER_TIMING_HEADER] = timing
+    add_timing(response, timings)
     return Sandbox.from_record(record)
 
 

@@ -6,16 +6,16 @@ method, shape the record into E2B JSON. Errors are raised, never formatted here.
 
 from __future__ import annotations
 
-import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Response
 
 from aenv.config import Settings
-from aenv.errors import BadRequest, Conflict, NotFound
+from aenv.errors import Conflict, NotFound
 from aenv.orchestrator.lifecycle import Orchestrator
 from aenv.orchestrator.models import CreateRequest, SandboxRecord
+from aenv.orchestrator.service import Timings, check_timeout
 
 from ..auth import require_api_key
 from ..deps import IdempotencyDep, OrchestratorDep, SettingsDep
@@ -59,32 +59,9 @@ def _visible_state(record: SandboxRecord) -> ApiState:
     return state
 
 
-def _check_timeout(value: int | None, settings: Settings) -> None:
-    # The upper bound is a setting, so it cannot live in the pydantic models.
-    if value is not None and not 0 <= value <= settings.max_timeout:
-        raise BadRequest(f"timeout must be between 0 and {settings.max_timeout} seconds")
-
-
-_TOKEN_UNSAFE = re.compile(r"[^A-Za-z0-9!#$%&'*+.^_`|~-]")
-
-
-def server_timing(timings: object) -> str | None:
-    """`Server-Timing` value for the optional `record.timings`.
-
-    Either a mapping of stage name to milliseconds or an object holding one as `.stages`
-    (the orchestrator's `Timings`)."""
-    stages = getattr(timings, "stages", timings)
-    if not isinstance(stages, dict) or not stages:
-        return None
-    parts = []
-    for name, ms in stages.items():
-        if isinstance(ms, int | float):
-            parts.append(f"{_TOKEN_UNSAFE.sub('_', str(name)) or 'step'};dur={float(ms):.1f}")
-    return ", ".join(parts) or None
-
-
-def _add_timing(response: Response, record: SandboxRecord) -> None:
-    value = server_timing(getattr(record, "timings", None))
+def add_timing(response: Response, timings: Timings) -> None:
+    """`Server-Timing` from the stages the orchestrator timed for this request, if any."""
+    value = timings.header()
     if value:
         response.headers[SERVER_TIMING_HEADER] = value
 
@@ -112,7 +89,7 @@ async def _create(
     settings: Settings,
     idempotency: IdempotencyCache,
 ) -> Sandbox:
-    _check_timeout(body.timeout, settings)
+    check_timeout(body.timeout, settings)
     key = validate_key(key)
     req = CreateRequest(
         template_id=body.template_id,
@@ -128,9 +105,10 @@ async def _create(
         allow_internet_access=body.allow_internet_access is not False,
     )
 
-    async def create() -> tuple[Sandbox, str | None]:
-        record = await orchestrator.create(req)
-        return Sandbox.from_record(record), server_timing(getattr(record, "timings", None))
+    async def create() -> tuple[Sandbox, str]:
+        timings = Timings()
+        record = await orchestrator.create(req, timings=timings)
+        return Sandbox.from_record(record), timings.header()
 
     sandbox, timing = await idempotency.run(key, create)
     if timing:
@@ -254,7 +232,7 @@ async def kill_sandbox(sandbox_id: str, orchestrator: OrchestratorDep) -> Respon
 async def set_timeout(
     sandbox_id: str, body: TimeoutBody, orchestrator: OrchestratorDep, settings: SettingsDep
 ) -> Response:
-    _check_timeout(body.timeout, settings)
+    check_timeout(body.timeout, settings)
     await orchestrator.set_timeout(sandbox_id, body.timeout)
     return Response(status_code=204)
 
@@ -280,10 +258,11 @@ async def _connect(
     orchestrator: Orchestrator,
     settings: Settings,
 ) -> Sandbox:
-    _check_timeout(ttl, settings)
-    record, resumed = await orchestrator.connect(sandbox_id, ttl, memory)
+    check_timeout(ttl, settings)
+    timings = Timings()
+    record, resumed = await orchestrator.connect(sandbox_id, ttl, memory, timings=timings)
     response.status_code = 201 if resumed else 200
-    _add_timing(response, record)
+    add_timing(response, timings)
     return Sandbox.from_record(record)
 
 
@@ -334,9 +313,10 @@ async def pause_sandbox(
 ) -> Response:
     # TODO: `requireHealthyGuest` once the orchestrator can check envd before pausing.
     memory = body.memory if body is not None and body.memory is not None else True
-    await orchestrator.pause(sandbox_id, memory=memory)
+    timings = Timings()
+    await orchestrator.pause(sandbox_id, memory=memory, timings=timings)
     response = Response(status_code=204)
-    _add_timing(response, orchestrator.get(sandbox_id))
+    add_timing(response, timings)
     return response
 
 
@@ -351,12 +331,13 @@ async def resume_sandbox(
     body: ResumedSandbox | None = None,
 ) -> Sandbox:
     body = body or ResumedSandbox()
-    _check_timeout(body.timeout, settings)
+    check_timeout(body.timeout, settings)
     record = orchestrator.get(sandbox_id)
     if _visible_state(record) == "running":
         raise Conflict(f"sandbox {sandbox_id} is already running")
     # TODO: `autoPause` (change the on-timeout action) needs an orchestrator setter.
-    record, _ = await orchestrator.connect(sandbox_id, body.timeout, body.memory)
+    timings = Timings()
+    record, _ = await orchestrator.connect(sandbox_id, body.timeout, body.memory, timings=timings)
     response.status_code = 201
-    _add_timing(response, record)
+    add_timing(response, timings)
     return Sandbox.from_record(record)

@@ -14,12 +14,13 @@ from pydantic import Field
 from aenv import ENVD_VERSION
 from aenv.builds.store import BuildRecord
 from aenv.errors import BadRequest, NotFound
+from aenv.orchestrator.service import Timings
 
 from ..auth import require_api_key
 from ..deps import OrchestratorDep
 from ..models import ErrorBody, Sandbox, _Request, _Response
 from .builds import BuilderDep, TemplateBuild
-from .sandboxes import NEXT_TOKEN_HEADER, _add_timing, server_timing
+from .sandboxes import NEXT_TOKEN_HEADER, add_timing
 
 router = APIRouter(
     tags=["snapshots"],
@@ -102,8 +103,9 @@ async def create_snapshot(
     body = body or SnapshotRequest()
     if body.memory is False:
         raise BadRequest("snapshots always include memory here; omit `memory` or set it true")
-    snap_id, names = await orchestrator.snapshot(sandbox_id, body.name)
-    _add_timing(response, orchestrator.get(sandbox_id))
+    timings = Timings()
+    snap_id, names = await orchestrator.snapshot(sandbox_id, body.name, timings=timings)
+    add_timing(response, timings)
     return SnapshotInfo(snapshotID=snap_id, names=names)
 
 
@@ -138,10 +140,9 @@ async def fork_sandbox(
     body: ForkRequest | None = None,
 ) -> list[ForkResultBody]:
     body = body or ForkRequest()
-    results = await orchestrator.fork(sandbox_id, body.count, body.timeout)
-    timing = server_timing(getattr(orchestrator.get(sandbox_id), "timings", None))
-    if timing:
-        response.headers["Server-Timing"] = timing
+    timings = Timings()
+    results = await orchestrator.fork(sandbox_id, body.count, body.timeout, timings=timings)
+    add_timing(response, timings)
     out = []
     for r in results:
         if r.sandbox is not None:
