@@ -810,3 +810,22 @@ class TestArtifacts:
         assert back == m and back.spec.model_extra == {"custom": "kept"}
         with pytest.raises(ArtifactError, match="manifest"):
             Manifest.from_json(b'{"id": "x", "layers": [{"digest": "md5:1"}]}')
+
+
+async def test_cancelled_publish_stops_packing_in_its_thread(tmp_path: Path) -> None:
+    from aenv.snapshots.artifacts import PackCancelled, cancellable, pack_dir, pack_file
+
+    src = tmp_path / "tree"
+    src.mkdir()
+    (src / "big").write_bytes(os.urandom(9 << 20))  # a few chunks
+    with cancellable() as stop:
+        stop.set()
+        # asyncio.to_thread runs in a copy of this context: the worker sees the event.
+        with pytest.raises(PackCancelled):
+            await asyncio.to_thread(pack_dir, src, tmp_path / "t.tar.zst", compression="zstd")
+        with pytest.raises(PackCancelled):
+            await asyncio.to_thread(pack_file, src / "big", tmp_path / "f.zst", compression="zstd")
+    assert not (tmp_path / "t.tar.zst").exists() and not (tmp_path / "f.zst").exists()
+    # Outside the scope nothing is cancelled.
+    packed = await asyncio.to_thread(pack_file, src / "big", tmp_path / "g", compression="none")
+    assert packed.size == 9 << 20

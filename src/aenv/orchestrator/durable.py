@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..snapshots import LayerRef, Manifest, SnapshotStore, Spec
+from ..snapshots.artifacts import cancellable
 from ..snapshots.errors import ArtifactError, SnapshotNotFound
 from .catalog import Catalog
 from .storage import SandboxStorage
@@ -95,7 +96,12 @@ class Durable:
                 ),
                 names=names,
             )
-            await self.store.publish(manifest, checkpoint_dir=image)
+            with cancellable() as stop:
+                try:
+                    await self.store.publish(manifest, checkpoint_dir=image)
+                except asyncio.CancelledError:
+                    stop.set()  # the packing thread stops too
+                    raise
             found = await asyncio.to_thread(self.catalog.template, template_id)
             if found is not None:
                 _tid, current, current_names = found

@@ -78,7 +78,7 @@ class Orchestrator(OrchestratorCore):
                     log.exception("hibernating %s at shutdown failed", r.sandbox_id)
 
     # ------------------------------------------------------------------ boot snapshots
-    async def _before_pool(self) -> None:
+    async def _prepare_boot_snapshots(self) -> None:
         if self._boot_cleaned or not self.settings.boot_snapshots:
             return
         self._boot_cleaned = True

@@ -569,7 +569,12 @@ class OrchestratorCore:
         # After a pool sandbox was handed out, its first commands usually follow at once:
         # the refill (a restore, CPU-bound) waits instead of competing with them.
         await asyncio.sleep(delay)
-        await self._before_pool()
+        await self._fill_pool()
+        # After the first fill, so a node that just started has its pool ready soonest.
+        await self._prepare_boot_snapshots()
+        await self._fill_pool()
+
+    async def _fill_pool(self) -> None:
         while len(self._warm) < self.settings.sandbox_pool_size and not self._closing:
             found = await asyncio.to_thread(self.catalog.template, "base")
             if found is None:
@@ -614,8 +619,8 @@ class OrchestratorCore:
                 continue
             self._warm.append(r)
 
-    async def _before_pool(self) -> None:
-        """Hook run before the pool is first filled (the boot snapshot, in lifecycle)."""
+    async def _prepare_boot_snapshots(self) -> None:
+        """Hook run once the pool was first filled (the boot snapshot, in lifecycle)."""
 
     def _boot_snapshot_for(
         self, template_id: str, doc: dict[str, Any], cpu: int, mem: int

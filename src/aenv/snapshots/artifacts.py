@@ -25,7 +25,10 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import uuid
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal, cast
@@ -36,6 +39,34 @@ from .errors import ArtifactCorrupt, ArtifactError
 
 Compression = Literal["none", "zstd"]
 CHUNK = 4 * 1024 * 1024
+
+# Packing runs in worker threads (asyncio.to_thread copies the caller's context): a publish
+# that is cancelled sets its event, and the thread stops at the next chunk instead of
+# hashing and compressing gigabytes nobody will read.
+_cancel: ContextVar[threading.Event | None] = ContextVar("aenv_pack_cancel", default=None)
+
+
+class PackCancelled(ArtifactError):
+    """The publish this packing belonged to was cancelled."""
+
+
+@contextlib.contextmanager
+def cancellable() -> Iterator[threading.Event]:
+    """Packing started in this context (threads included) stops once the event is set."""
+    event = threading.Event()
+    token = _cancel.set(event)
+    try:
+        yield event
+    finally:
+        _cancel.reset(token)
+
+
+def _check_cancel() -> None:
+    event = _cancel.get()
+    if event is not None and event.is_set():
+        raise PackCancelled("packing cancelled")
+
+
 _FICLONE = 0x40049409  # ioctl(dst, FICLONE, src): reflink on btrfs/xfs/bcachefs
 
 
@@ -124,12 +155,17 @@ def pack_dir(
                         cast(IO[bytes], sink), closefd=False, write_return_read=True
                     ) as zw:
                         while chunk := proc.stdout.read(CHUNK):
+                            _check_cancel()
                             raw += len(chunk)
                             zw.write(chunk)
                 else:
                     while chunk := proc.stdout.read(CHUNK):
+                        _check_cancel()
                         raw += len(chunk)
                         sink.write(chunk)
+            except PackCancelled:
+                proc.kill()
+                raise
             finally:
                 proc.stdout.close()
                 rc = proc.wait()
@@ -192,6 +228,7 @@ def hash_file(path: Path) -> tuple[str, int]:
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
+            _check_cancel()
             h.update(view[:n])
             size += n
     return h.hexdigest(), size
@@ -223,6 +260,7 @@ def pack_file(
                 write_return_read=True,
             ) as zw:
                 while chunk := f.read(CHUNK):
+                    _check_cancel()
                     raw += len(chunk)
                     zw.write(chunk)
             out.flush()
