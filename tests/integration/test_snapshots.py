@@ -341,3 +341,26 @@ def test_long_snapshot_chains_are_squashed_without_changing_files(
     check(child)
     for sid in snaps:
         Sandbox.delete_snapshot(sid)
+
+
+def test_boot_snapshot_serves_any_memory_size(e2b_env: Server) -> None:
+    # New sandboxes are restored from the node's snapshot of a freshly booted one (made at
+    # start with the template's 512 MiB); a create asking for another size gets that size.
+    with e2b_env.client() as c:
+        deadline = time.time() + 60
+        while True:
+            r = c.post("/sandboxes", json={"templateID": "base", "timeout": 60, "memoryMB": 1024})
+            assert r.status_code == 201, r.text
+            sid, timing = r.json()["sandboxID"], r.headers.get("server-timing", "")
+            if "restore" in timing or time.time() > deadline:
+                break
+            c.delete(f"/sandboxes/{sid}")  # the boot snapshot was not made yet
+            time.sleep(1)
+        try:
+            assert "restore" in timing and "boot" not in timing, timing
+            s = Sandbox.connect(sid)
+            total = int(s.commands.run("free -m | awk '/Mem:/ {print $2}'").stdout)
+            assert 900 <= total <= 1100, total
+            assert s.commands.run("echo ok").stdout == "ok\n"
+        finally:
+            c.delete(f"/sandboxes/{sid}")

@@ -94,22 +94,26 @@ class Orchestrator(OrchestratorCore):
             await self._ensure_boot_snapshot(found[0], cpu, mem)
 
     async def _ensure_boot_snapshot(self, template_id: str, cpu: int, mem: int) -> None:
-        key = (template_id, cpu, mem)
+        key = (template_id, cpu)
         if key in self._boot_tried or self._closing:
             return
         if self._memory_in_use() + mem > self.memory_budget_mb // 2:
             return  # speculative: never with memory users may be about to ask for (later)
         self._boot_tried.add(key)
         try:
+            # Speculative work: behind the boots already queued (a burst of creates of this
+            # new shape would pay for it); the burst's followers get it.
+            async with self._boot_slots:
+                pass
             await self._make_boot_snapshot(template_id, cpu, mem)
         except Exception as e:
             log.warning("no boot snapshot of %s (%d CPU, %d MiB): %s", template_id, cpu, mem, e)
 
     async def _make_boot_snapshot(self, template_id: str, cpu: int, mem: int) -> None:
         """Boots one sandbox of the template, lets envd start and run one login shell, and
-        snapshots it (an internal snapshot `boot_of` the template, for that size): new
-        sandboxes of that shape restore it instead of paying envd's start-up in gVisor
-        again. The sandbox itself is dropped. Made anew at each start of the node."""
+        snapshots it (an internal snapshot `boot_of` the template, for that CPU count): new
+        sandboxes of that template and CPU count, whatever their memory size, restore it
+        instead of paying envd's start-up in gVisor again. The sandbox itself is dropped. Made anew at each start of the node."""
         found = await asyncio.to_thread(self.catalog.template, template_id)
         if found is None or found[1].get("checkpoint"):
             return
@@ -155,7 +159,7 @@ class Orchestrator(OrchestratorCore):
             await self._forget(r)
         made = await asyncio.to_thread(self.catalog.template, snap_id)
         if made is not None:
-            self._boot_snapshots[(tid, cpu, mem)] = (snap_id, made[1])
+            self._boot_snapshots[(tid, cpu)] = (snap_id, made[1])
             log.info("boot snapshot %s of %s (%d CPU, %d MiB) ready", snap_id, tid, cpu, mem)
 
     # ------------------------------------------------------------------ pause

@@ -40,7 +40,9 @@ from .storage import SandboxStorage
 
 log = logging.getLogger("aenv.orchestrator")
 
-BootKey = tuple[str, int, int]  # template id, cpu count, memory MiB
+# Template id and CPU count. Not the memory size: a restored sentry takes the new limit
+# (a 512 MiB boot snapshot restores as a 256 MiB or 1 GiB sandbox, `free` says so).
+BootKey = tuple[str, int]
 # Shapes of sandbox a node keeps boot snapshots of (each ~20 MiB of memory image).
 MAX_BOOT_SNAPSHOTS = 8
 # Seconds between handing out a pool sandbox and booting its replacement.
@@ -122,7 +124,7 @@ class OrchestratorCore:
         # Pre-booted sandboxes of the default template (see `_take_warm`).
         self._warm: builtins.list[SandboxRecord] = []
         # Boot snapshots (see lifecycle._make_boot_snapshot), per shape of sandbox:
-        # (template id, cpu, memory MiB) -> (snapshot id, its document); shapes tried.
+        # (template id, cpu) -> (snapshot id, its document); shapes tried.
         self._boot_snapshots: dict[BootKey, tuple[str, dict[str, Any]]] = {}
         self._boot_tried: set[BootKey] = set()
         self._boot_cleaned = False  # boot snapshots of earlier runs deleted
@@ -629,12 +631,13 @@ class OrchestratorCore:
         from, if there is a current one; asks for one to be made otherwise."""
         if not self.settings.boot_snapshots or doc.get("checkpoint") or doc.get("internal"):
             return None  # (internal: a build step's transient template, used once)
-        key = (template_id, cpu, mem)
+        key = (template_id, cpu)
         found = self._boot_snapshots.get(key)
         if found is not None and found[1].get("boot_from_layers") == list(doc["layers"]):
             return found[1]
         if key not in self._boot_tried and len(self._boot_tried) < MAX_BOOT_SNAPSHOTS:
-            self._spawn(self._ensure_boot_snapshot(template_id, cpu, mem))
+            default_mem = int(doc.get("memory_mb") or self.settings.default_memory_mb)
+            self._spawn(self._ensure_boot_snapshot(template_id, cpu, default_mem))
         return None
 
     async def _ensure_boot_snapshot(self, template_id: str, cpu: int, mem: int) -> None:
