@@ -133,22 +133,7 @@ class Durable:
         if (local / "checkpoint.img").is_file():
             return local
         await self.wait_published(template_id)
-        try:
-            _m, path = await self.store.fetch(template_id)
-        except SnapshotNotFound as e:
-            raise ArtifactError(
-                f"the memory image of template {template_id!r} is neither on this node nor in "
-                f"the repository",
-                snapshot_id=template_id,
-                artifact="checkpoint",
-            ) from e
-        if path is None:
-            raise ArtifactError(
-                f"template {template_id!r} has no memory image in the repository",
-                snapshot_id=template_id,
-                artifact="checkpoint",
-            )
-        return path
+        return await self._fetch_image(template_id, f"template {template_id!r}")
 
     @contextlib.asynccontextmanager
     async def local_image(self, image_id: str) -> AsyncIterator[Path]:
@@ -159,21 +144,24 @@ class Durable:
             yield local
             return
         with self.store.pin(image_id):
-            try:
-                _m, path = await self.store.fetch(image_id)
-            except SnapshotNotFound as e:
-                raise ArtifactError(
-                    f"the memory image {image_id!r} is neither on this node nor in the repository",
-                    snapshot_id=image_id,
-                    artifact="checkpoint",
-                ) from e
-            if path is None:
-                raise ArtifactError(
-                    f"{image_id!r} has no memory image in the repository",
-                    snapshot_id=image_id,
-                    artifact="checkpoint",
-                )
-            yield path
+            yield await self._fetch_image(image_id, f"hibernated sandbox image {image_id!r}")
+
+    async def _fetch_image(self, manifest_id: str, what: str) -> Path:
+        try:
+            _m, path = await self.store.fetch(manifest_id)
+        except SnapshotNotFound as e:
+            raise ArtifactError(
+                f"the memory image of {what} is neither on this node nor in the repository",
+                snapshot_id=manifest_id,
+                artifact="checkpoint",
+            ) from e
+        if path is None:
+            raise ArtifactError(
+                f"{what} has no memory image in the repository",
+                snapshot_id=manifest_id,
+                artifact="checkpoint",
+            )
+        return path
 
     async def ensure_layers(self, template_id: str, doc: dict[str, Any]) -> None:
         missing = [d for d in doc["layers"] if not self.storage.layers.has(d)]

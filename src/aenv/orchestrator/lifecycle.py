@@ -113,27 +113,16 @@ class Orchestrator(OrchestratorCore):
         """Boots one sandbox of the template, lets envd start and run one login shell, and
         snapshots it (an internal snapshot `boot_of` the template, for that CPU count): new
         sandboxes of that template and CPU count, whatever their memory size, restore it
-        instead of paying envd's start-up in gVisor again. The sandbox itself is dropped. Made anew at each start of the node."""
+        instead of paying envd's start-up in gVisor again. The sandbox itself is dropped.
+        Made anew at each start of the node."""
         found = await asyncio.to_thread(self.catalog.template, template_id)
         if found is None or found[1].get("checkpoint"):
             return
         tid, doc, _names = found
         self._reserve(mem)
-        r = self._new_record(
-            template_id=tid,
-            alias=None,
-            doc=doc,
-            req=CreateRequest(),
-            timeout=self.settings.default_timeout,
-            cpu=cpu,
-            mem=mem,
-        )
-        self._records[r.sandbox_id] = r
         t = Timings()
+        r = await self._preboot(tid, doc, cpu, mem, alias=None, boot=None, timings=t)
         try:
-            await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, r.layers)
-            await self._boot(r, t, init=False)
-            await self._warm_up(r)
             r.state = State.RUNNING
             async with self._lock(r.sandbox_id):
                 snap_id, back = await self._snapshot_locked(
@@ -259,13 +248,10 @@ class Orchestrator(OrchestratorCore):
     ) -> AsyncIterator[Path]:
         name = str((r.paused_state or {})["image"])
         if self.durable is not None:
-            with (t or Timings()).stage("fetch"):
-                images = self.durable.local_image(name)
-                path = await images.__aenter__()
-            try:
+            async with contextlib.AsyncExitStack() as stack:
+                with (t or Timings()).stage("fetch"):  # the fetch only, not the use
+                    path = await stack.enter_async_context(self.durable.local_image(name))
                 yield path
-            finally:
-                await images.__aexit__(None, None, None)
             return
         image = self.storage.image_dir(name)
         if not (image / "checkpoint.img").exists():

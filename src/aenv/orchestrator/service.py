@@ -328,10 +328,7 @@ class OrchestratorCore:
                 await self._apply_squash(r, run, await self.squasher.squash(run, r.sandbox_id))
         spec = self._spec(r)
         inst: Instance | None = None
-        if self._boot_slots.locked():
-            with t.stage("queue"):
-                await self._boot_slots.acquire()
-        else:
+        with t.stage("queue") if self._boot_slots.locked() else contextlib.nullcontext():
             await self._boot_slots.acquire()
         try:
             if image is None:
@@ -589,37 +586,55 @@ class OrchestratorCore:
             except AenvError:
                 return
             boot = self._boot_snapshot_for(tid, doc, cpu, mem)
-            r = self._new_record(
-                template_id=tid,
-                alias=names[0] if names else None,
-                doc=doc,
-                req=CreateRequest(),
-                timeout=self.settings.default_timeout,
-                cpu=cpu,
-                mem=mem,
-                layers=None if boot is None else list(boot["layers"]),
-            )
-            self._records[r.sandbox_id] = r
             try:
-                await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, r.layers)
-                if boot is not None:
-                    image = self.storage.image_dir(str(boot["checkpoint"]))
-                    await self._boot(r, Timings(), image=image, init=False)
-                else:
-                    await self._boot(r, Timings(), init=False)
-                # Also after a restore: the files bash and envd map are re-opened lazily.
-                await self._warm_up(r)
+                r = await self._preboot(
+                    tid, doc, cpu, mem, alias=names[0] if names else None, boot=boot
+                )
             except asyncio.CancelledError:
-                self._records.pop(r.sandbox_id, None)
-                await self._forget(r)
                 raise
             except Exception:
                 log.exception("pre-booting a sandbox failed")
-                self._records.pop(r.sandbox_id, None)
-                await self._forget(r)
                 await asyncio.sleep(5)
                 continue
             self._warm.append(r)
+
+    async def _preboot(
+        self,
+        template_id: str,
+        doc: dict[str, Any],
+        cpu: int,
+        mem: int,
+        *,
+        alias: str | None,
+        boot: dict[str, Any] | None,
+        timings: Timings | None = None,
+    ) -> SandboxRecord:
+        """A sandbox of the template for no one yet (memory reserved by the caller): booted,
+        or restored from the boot snapshot `boot`; envd not initialised; warmed up. What it
+        left behind is gone if it fails."""
+        t = timings or Timings()
+        r = self._new_record(
+            template_id=template_id,
+            alias=alias,
+            doc=doc,
+            req=CreateRequest(),
+            timeout=self.settings.default_timeout,
+            cpu=cpu,
+            mem=mem,
+            layers=None if boot is None else list(boot["layers"]),
+        )
+        self._records[r.sandbox_id] = r
+        try:
+            await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, r.layers)
+            image = None if boot is None else self.storage.image_dir(str(boot["checkpoint"]))
+            await self._boot(r, t, image=image, init=False)
+            # Also after a restore: the files bash and envd map are re-opened lazily.
+            await self._warm_up(r)
+        except BaseException:
+            self._records.pop(r.sandbox_id, None)
+            await self._forget(r)
+            raise
+        return r
 
     async def _prepare_boot_snapshots(self) -> None:
         """Hook run once the pool was first filled (the boot snapshot, in lifecycle)."""
