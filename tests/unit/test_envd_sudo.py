@@ -27,7 +27,7 @@ import httpx
 import pytest
 from conftest import SRC, free_port
 
-from aenv.envd import sudo, sudo_service
+from aenv.envd import sudo, sudo_args, sudo_plan, sudo_protocol, sudo_service
 from aenv.envd.state import User, Users
 
 SYSTEM_PY = Path("/usr/bin/python3.11")
@@ -65,7 +65,7 @@ class Env:
             "LANG": "C.UTF-8",
             "TERM": "xterm",
             "HOME": "/root",
-            sudo.SOCKET_ENV: str(self.sock),
+            sudo_protocol.SOCKET_ENV: str(self.sock),
         }
         env.update(extra)
         return env
@@ -274,7 +274,7 @@ def test_environment(env: Env) -> None:
     out = env.run("env", env=caller, uid=ALICE).stdout
     got = dict(line.split("=", 1) for line in out.splitlines())
     assert "SECRET" not in got and got["LC_TIME"] == "C" and got["TERM"] == "xterm"
-    assert got["PATH"] == sudo.SECURE_PATH and got["PS1"] == "# "
+    assert got["PATH"] == sudo_protocol.SECURE_PATH and got["PS1"] == "# "
     assert (got["HOME"], got["USER"], got["LOGNAME"], got["SHELL"]) == (
         "/root",
         "root",
@@ -286,7 +286,7 @@ def test_environment(env: Env) -> None:
     assert not any(k.startswith(("PYTHON", "AENV_")) for k in got)
     # -E keeps the caller's environment (but not the launcher's PYTHON* variables)
     got = dict(line.split("=", 1) for line in env.run("-E", "env", env=caller).stdout.splitlines())
-    assert got["SECRET"] == "x" and got["HOME"] == "/root" and got["PATH"] == sudo.SECURE_PATH
+    assert got["SECRET"] == "x" and got["HOME"] == "/root" and got["PATH"] == sudo_protocol.SECURE_PATH
     assert not any(k.startswith(("PYTHON", "AENV_")) for k in got)
     got = dict(
         line.split("=", 1)
@@ -513,37 +513,37 @@ def test_pty_output_and_terminal_restored(env: Env) -> None:
 
 
 def test_parse_args() -> None:
-    o = sudo.parse_args(["-nu", "bob", "-E", "A=1", "ls", "-l", "B=2"])
+    o = sudo_args.parse_args(["-nu", "bob", "-E", "A=1", "ls", "-l", "B=2"])
     assert (o.user, o.preserve_env, o.assign, o.command) == (
         "bob",
         True,
         {"A": "1"},
         ["ls", "-l", "B=2"],
     )
-    o = sudo.parse_args(["--user=x", "--preserve-env=A,B", "-H", "--", "-x"])
+    o = sudo_args.parse_args(["--user=x", "--preserve-env=A,B", "-H", "--", "-x"])
     assert (o.user, o.keep, o.set_home, o.command) == ("x", ["A", "B"], True, ["-x"])
-    o = sudo.parse_args(["-i"])
+    o = sudo_args.parse_args(["-i"])
     assert o.login and o.command == []
-    assert sudo.parse_args(["-k"]).mode == "kill"
-    assert sudo.parse_args(["-l", "ls"]).mode == "list"
-    with pytest.raises(sudo.UsageError):
-        sudo.parse_args(["-b", "x"])
-    with pytest.raises(sudo.UsageError):
-        sudo.parse_args(["--login=3"])
+    assert sudo_args.parse_args(["-k"]).mode == "kill"
+    assert sudo_args.parse_args(["-l", "ls"]).mode == "list"
+    with pytest.raises(sudo_args.UsageError):
+        sudo_args.parse_args(["-b", "x"])
+    with pytest.raises(sudo_args.UsageError):
+        sudo_args.parse_args(["--login=3"])
 
 
 def test_frames() -> None:
-    buf = bytearray(sudo.encode_frame({"a": 1}) + sudo.encode_frame({"b": [2]})[:5])
-    assert sudo.take_frames(buf) == [{"a": 1}]
+    buf = bytearray(sudo_protocol.encode_frame({"a": 1}) + sudo_protocol.encode_frame({"b": [2]})[:5])
+    assert sudo_protocol.take_frames(buf) == [{"a": 1}]
     assert len(buf) == 5
-    buf += sudo.encode_frame({"b": [2]})[5:]
-    assert sudo.take_frames(buf) == [{"b": [2]}] and not buf
-    with pytest.raises(sudo.FrameError):
-        sudo.take_frames(bytearray(struct.pack(">I", sudo.MAX_FRAME + 1)))
+    buf += sudo_protocol.encode_frame({"b": [2]})[5:]
+    assert sudo_protocol.take_frames(buf) == [{"b": [2]}] and not buf
+    with pytest.raises(sudo_protocol.FrameError):
+        sudo_protocol.take_frames(bytearray(struct.pack(">I", sudo_protocol.MAX_FRAME + 1)))
 
 
 def test_shell_quote() -> None:
-    assert sudo_service.shell_quote_sudo(["echo", "a b", "$HOME", "x;y"]) == (
+    assert sudo_plan.shell_quote_sudo(["echo", "a b", "$HOME", "x;y"]) == (
         "echo a\\ b $HOME x\\;y"
     )
 
@@ -557,21 +557,20 @@ def test_plan(tmp_path: Path) -> None:
 
     st = State()
     st.users = Users(str(tmp_path / "passwd"), str(tmp_path / "group"))
-    svc = sudo_service.SudoService(st, str(tmp_path / "s.sock"))
     req = {"argv": ["ls"], "env": {"TERM": "x", "FOO": "1"}, "cwd": "/tmp", "tty": False}
-    p = svc.plan(req, 1000, 1000)
+    p = sudo_plan.plan(st.users, req, 1000, 1000)
     assert (p.uid, p.gid, p.groups, p.cwd, p.executable) == (0, 0, [0], "/tmp", shutil.which("ls"))
     assert "FOO" not in p.env and p.env["SUDO_USER"] == "user"
-    p = svc.plan({**req, "user": "user", "login": True, "argv": []}, 0, 0)
+    p = sudo_plan.plan(st.users, {**req, "user": "user", "login": True, "argv": []}, 0, 0)
     assert (p.uid, p.gid, p.argv, p.executable) == (1000, 1000, ["-bash"], "/bin/bash")
     assert p.groups == [1000, 27]
-    with pytest.raises(sudo_service.Refused):
-        svc._authorize(4242, 4242)
-    svc._authorize(1000, 1000)
+    with pytest.raises(sudo_plan.Refused):
+        sudo_plan.authorize(st.users, 4242, 4242)
+    sudo_plan.authorize(st.users, 1000, 1000)
     assert isinstance(st.users.by_uid(1000), User) and st.users.group_gid("sudo") == 27
     # off unless configured (envd's __main__ sets it in a sandbox only)
     assert sudo_service.start_service(st, {}) is None
-    assert sudo_service.start_service(st, {sudo.SOCKET_ENV: "off"}) is None
+    assert sudo_service.start_service(st, {sudo_protocol.SOCKET_ENV: "off"}) is None
 
 
 def test_identity_comes_from_scm_credentials(env: Env) -> None:
@@ -582,13 +581,13 @@ def test_identity_comes_from_scm_credentials(env: Env) -> None:
     def ask(creds: tuple[int, int, int] | None) -> dict[str, object]:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.connect(str(env.sock))
-            req = {"v": sudo.PROTOCOL, "op": "check"}
+            req = {"v": sudo_protocol.PROTOCOL, "op": "check"}
             anc = []
             if creds is not None:
-                anc.append((socket.SOL_SOCKET, sudo.SCM_CREDENTIALS, struct.pack("3i", *creds)))
-            s.sendmsg([sudo.encode_frame(req)], anc)
+                anc.append((socket.SOL_SOCKET, sudo_protocol.SCM_CREDENTIALS, struct.pack("3i", *creds)))
+            s.sendmsg([sudo_protocol.encode_frame(req)], anc)
             buf = bytearray()
-            while not (frames := sudo.take_frames(buf)):
+            while not (frames := sudo_protocol.take_frames(buf)):
                 chunk = s.recv(4096)
                 assert chunk
                 buf += chunk
@@ -612,7 +611,7 @@ def test_raw_protocol(env: Env) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(str(env.sock))
         req = {
-            "v": sudo.PROTOCOL,
+            "v": sudo_protocol.PROTOCOL,
             "op": "run",
             "argv": ["sh", "-c", script],
             "env": {"PATH": "/usr/bin:/bin"},
@@ -620,9 +619,9 @@ def test_raw_protocol(env: Env) -> None:
         }
         creds = struct.pack("3i", os.getpid(), ALICE, ALICE)
         s.sendmsg(
-            [sudo.encode_frame(req)],
+            [sudo_protocol.encode_frame(req)],
             [
-                (socket.SOL_SOCKET, sudo.SCM_CREDENTIALS, creds),
+                (socket.SOL_SOCKET, sudo_protocol.SCM_CREDENTIALS, creds),
                 (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("3i", in_r, out_w, out_w)),
             ],
         )
@@ -631,7 +630,7 @@ def test_raw_protocol(env: Env) -> None:
         buf = bytearray()
 
         def reply() -> dict[str, object]:
-            while not (frames := sudo.take_frames(buf)):
+            while not (frames := sudo_protocol.take_frames(buf)):
                 chunk = s.recv(4096)
                 assert chunk
                 buf.extend(chunk)
@@ -642,8 +641,8 @@ def test_raw_protocol(env: Env) -> None:
         assert isinstance(pid, int)
         with os.fdopen(out_r, "rb", buffering=0) as out:
             assert out.readline() == b"up\n"
-            s.sendall(sudo.encode_frame({"winch": True}))
+            s.sendall(sudo_protocol.encode_frame({"winch": True}))
             assert out.readline() == b"winch\n"
-            s.sendall(sudo.encode_frame({"signal": int(signal.SIGTERM)}))
+            s.sendall(sudo_protocol.encode_frame({"signal": int(signal.SIGTERM)}))
             assert reply() == {"exit": 9, "signal": None}
     os.close(in_w)

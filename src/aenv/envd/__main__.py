@@ -81,7 +81,7 @@ def _is_sandbox_init() -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     host, port = parse_args(sys.argv[1:] if argv is None else argv)
-    from .sudo import DEFAULT_SOCKET, SOCKET_ENV
+    from .sudo_protocol import DEFAULT_SOCKET, SOCKET_ENV
 
     if _is_sandbox_init():  # the sudo service: on by default in sandboxes only
         os.environ.setdefault(SOCKET_ENV, DEFAULT_SOCKET)

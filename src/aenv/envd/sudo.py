@@ -22,7 +22,6 @@ Standard library only, relative imports only, small imports: it starts on every 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import signal
@@ -31,15 +30,17 @@ import struct
 import sys
 from typing import Any
 
-SCM_CREDENTIALS = getattr(socket, "SCM_CREDENTIALS", 2)
-SO_PASSCRED = getattr(socket, "SO_PASSCRED", 16)
-SOCKET_ENV = "AENV_ENVD_SUDO_SOCKET"
-DEFAULT_SOCKET = "/run/aenv/sudo.sock"
-PROTOCOL = 1
-MAX_FRAME = 16 * 1024 * 1024
-SUDO_GROUPS = ("sudo", "wheel", "admin")
-SECURE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-VERSION = "1.9.13p3"
+from .sudo_args import HELP, USAGE, VERSION, Options, UsageError, parse_args
+from .sudo_protocol import (
+    PROTOCOL,
+    SCM_CREDENTIALS,
+    SECURE_PATH,
+    FrameError,
+    encode_frame,
+    socket_path,
+    take_frames,
+)
+from .sudo_tty import Terminal, foreground, write_all
 
 # What the image's /usr/bin/sudo becomes (Debian's binary is diverted to sudo.distrib).
 SHIM_SCRIPT = """\
@@ -62,46 +63,6 @@ fi
 echo "sudo: the aenv runtime is not mounted at $b" >&2
 exit 1
 """
-
-USAGE = """\
-usage: sudo -h | -K | -k | -V
-usage: sudo -v [-AknS] [-g group] [-u user]
-usage: sudo -l [-AknS] [-g group] [-u user] [command [arg ...]]
-usage: sudo [-AEHkNnPS] [-C num] [-D directory] [-g group] [-p prompt] [-u user]
-            [VAR=value] [-i | -s] [command [arg ...]]
-"""
-
-HELP = (
-    "sudo - execute a command as another user (aenv sandbox edition: no password, "
-    "commands are run by envd)\n\n"
-    + USAGE
-    + """
-Options:
-  -A, --askpass                 ignored (never prompts)
-  -C, --close-from=num          ignored
-  -D, --chdir=directory         change the working directory before running command
-  -E, --preserve-env            preserve user environment when running command
-      --preserve-env=list       preserve specific environment variables
-  -g, --group=group             run command as the specified group name or ID
-  -H, --set-home                set HOME variable to target user's home dir
-  -h, --help                    display help message and exit
-  -i, --login                   run login shell as the target user; a command may also be
-                                specified
-  -K, --remove-timestamp        no-op (there are no credentials to forget)
-  -k, --reset-timestamp         no-op
-  -l, --list                    list user's privileges or check a specific command
-  -n, --non-interactive         non-interactive mode (always the case here)
-  -P, --preserve-groups         ignored
-  -p, --prompt=prompt           ignored
-  -S, --stdin                   ignored (no password is read)
-  -s, --shell                   run shell as the target user; a command may also be
-                                specified
-  -u, --user=user               run command as specified user name or ID
-  -V, --version                 display version information and exit
-  -v, --validate                check that the user may use sudo
-  --                            stop processing command line arguments
-"""
-)
 
 # Signals relayed to the command (SIGWINCH only without a pty of our own).
 RELAYED = (
@@ -126,205 +87,6 @@ RERAISE = {
     signal.SIGUSR1,
     signal.SIGUSR2,
 }
-
-
-# --- framing (shared with sudo_service) --------------------------------------------------
-
-
-def encode_frame(msg: dict[str, Any]) -> bytes:
-    """A 4-byte big-endian length, then the UTF-8 JSON object."""
-    data = json.dumps(msg, separators=(",", ":")).encode()
-    return struct.pack(">I", len(data)) + data
-
-
-class FrameError(Exception):
-    pass
-
-
-def take_frames(buf: bytearray) -> list[dict[str, Any]]:
-    """Removes every complete frame from `buf` and returns them decoded."""
-    out: list[dict[str, Any]] = []
-    while len(buf) >= 4:
-        (n,) = struct.unpack(">I", buf[:4])
-        if n > MAX_FRAME:
-            raise FrameError(f"frame too large ({n} bytes)")
-        if len(buf) < 4 + n:
-            break
-        try:
-            msg = json.loads(bytes(buf[4 : 4 + n]))
-        except ValueError as e:
-            raise FrameError(f"bad frame: {e}") from None
-        del buf[: 4 + n]
-        if not isinstance(msg, dict):
-            raise FrameError("frame is not a JSON object")
-        out.append(msg)
-    return out
-
-
-def socket_path() -> str:
-    return os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
-
-
-# --- command line ----------------------------------------------------------------------------
-
-
-class UsageError(Exception):
-    def __init__(self, message: str, show_usage: bool = True) -> None:
-        super().__init__(message)
-        self.show_usage = show_usage
-
-
-class Options:
-    def __init__(self) -> None:
-        self.mode = "run"  # run | help | version | validate | list | kill
-        self.user: str | None = None
-        self.group: str | None = None
-        self.login = False
-        self.shell = False
-        self.preserve_env = False
-        self.keep: list[str] = []
-        self.set_home = False
-        self.chdir: str | None = None
-        self.reset_ts = False
-        self.assign: dict[str, str] = {}
-        self.command: list[str] = []
-
-
-_SHORT_ARG = {"u": "user", "g": "group", "p": "prompt", "C": "close-from", "D": "chdir"}
-_SHORT_FLAG = {
-    "A": "askpass",
-    "E": "preserve-env",
-    "H": "set-home",
-    "h": "help",
-    "i": "login",
-    "K": "remove-timestamp",
-    "k": "reset-timestamp",
-    "l": "list",
-    "N": "no-update",
-    "n": "non-interactive",
-    "P": "preserve-groups",
-    "S": "stdin",
-    "s": "shell",
-    "V": "version",
-    "v": "validate",
-}
-_LONG_ARG = {"user", "group", "prompt", "close-from", "chdir"}
-_LONG_FLAG = set(_SHORT_FLAG.values())
-_UNSUPPORTED = {
-    "b": "background",
-    "e": "edit",
-    "R": "chroot",
-    "r": "role",
-    "t": "type",
-    "T": "command-timeout",
-    "U": "other-user",
-    "B": "bell",
-}
-
-
-def _set(o: Options, name: str, value: str | None) -> None:
-    if name in ("askpass", "no-update", "non-interactive", "preserve-groups", "stdin"):
-        return
-    if name in ("prompt", "close-from"):
-        return
-    if name == "user":
-        o.user = value
-    elif name == "group":
-        o.group = value
-    elif name == "chdir":
-        o.chdir = value
-    elif name == "preserve-env":
-        if value is None:
-            o.preserve_env = True
-        else:
-            o.keep += [v for v in value.split(",") if v]
-    elif name == "set-home":
-        o.set_home = True
-    elif name == "login":
-        o.login = True
-    elif name == "shell":
-        o.shell = True
-    elif name in ("reset-timestamp", "remove-timestamp"):
-        o.reset_ts = True
-        if name == "remove-timestamp":
-            o.mode = "kill"
-    elif name == "help":
-        o.mode = "help"
-    elif name == "version":
-        o.mode = "version"
-    elif name == "validate":
-        o.mode = "validate"
-    elif name == "list":
-        o.mode = "list"
-
-
-def parse_args(argv: list[str]) -> Options:
-    """sudo's command line (getopt_long with "+": options stop at the first operand)."""
-    o = Options()
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--":
-            i += 1
-            break
-        if a.startswith("--"):
-            name, eq, value = a[2:].partition("=")
-            if name in _LONG_ARG:
-                if not eq:
-                    i += 1
-                    if i >= len(argv):
-                        raise UsageError(f"option '--{name}' requires an argument")
-                    value = argv[i]
-                _set(o, name, value)
-            elif name == "preserve-env":
-                _set(o, name, value if eq else None)
-            elif name in _LONG_FLAG:
-                if eq:
-                    raise UsageError(f"option '--{name}' doesn't allow an argument")
-                _set(o, name, None)
-            elif name in _UNSUPPORTED.values():
-                raise UsageError(f"option '--{name}' is not supported in this sandbox", False)
-            else:
-                raise UsageError(f"unrecognized option '{a}'")
-            i += 1
-            continue
-        if not a.startswith("-") or a == "-":
-            break
-        j = 1
-        while j < len(a):
-            c = a[j]
-            if c in _SHORT_ARG:
-                value = a[j + 1 :]
-                if not value:
-                    i += 1
-                    if i >= len(argv):
-                        raise UsageError(f"option requires an argument -- '{c}'")
-                    value = argv[i]
-                _set(o, _SHORT_ARG[c], value)
-                break
-            if c in _SHORT_FLAG:
-                _set(o, _SHORT_FLAG[c], None)
-            elif c in _UNSUPPORTED:
-                raise UsageError(f"option '-{c}' is not supported in this sandbox", False)
-            else:
-                raise UsageError(f"invalid option -- '{c}'")
-            j += 1
-        i += 1
-    rest = argv[i:]
-    # VAR=value before the command
-    while rest and not rest[0].startswith("=") and "=" in rest[0]:
-        k, _, v = rest[0].partition("=")
-        o.assign[k] = v
-        rest = rest[1:]
-    o.command = rest
-    if o.login and o.shell:
-        raise UsageError("you may not specify both the -i and -s options")
-    if o.mode == "run" and not o.command and not (o.login or o.shell):
-        if o.reset_ts:
-            o.mode = "kill"
-        else:
-            raise UsageError("")
-    return o
 
 
 # --- talking to envd ------------------------------------------------------------------------
@@ -445,48 +207,6 @@ def _list(o: Options) -> int:
 # --- running a command ---------------------------------------------------------------------
 
 
-class _Terminal:
-    """The caller's terminal in raw mode, and the pty the command gets instead."""
-
-    def __init__(self) -> None:
-        import termios
-        import tty
-
-        self.saved = termios.tcgetattr(0)
-        self.master, self.slave = os.openpty()
-        termios.tcsetattr(self.slave, termios.TCSANOW, self.saved)
-        self.copy_winsize()
-        tty.setraw(0, termios.TCSADRAIN)
-        self.raw = True
-        os.set_blocking(self.master, False)
-
-    def copy_winsize(self) -> None:
-        import fcntl
-        import termios
-
-        with contextlib.suppress(OSError):
-            ws = fcntl.ioctl(0, termios.TIOCGWINSZ, b"\0" * 8)
-            fcntl.ioctl(self.master, termios.TIOCSWINSZ, ws)
-
-    def restore(self) -> None:
-        import termios
-
-        if self.raw:
-            self.raw = False
-            with contextlib.suppress(OSError):
-                termios.tcsetattr(0, termios.TCSADRAIN, self.saved)
-
-    def reraw(self) -> None:
-        import termios
-        import tty
-
-        if not self.raw and _foreground():
-            with contextlib.suppress(OSError):
-                tty.setraw(0, termios.TCSADRAIN)
-                self.raw = True
-            self.copy_winsize()
-
-
 def _open_std_fds() -> None:
     """/dev/null for a closed stdin/stdout/stderr (`sudo x <&-`), before any fd of ours
     could take its number."""
@@ -497,32 +217,12 @@ def _open_std_fds() -> None:
             os.open(os.devnull, os.O_RDWR)  # the lowest free number: `fd`
 
 
-def _foreground() -> bool:
-    try:
-        return os.tcgetpgrp(0) == os.getpgrp()
-    except OSError:
-        return False
-
-
-def _write_all(fd: int, data: bytes) -> bool:
-    view = memoryview(data)
-    while view:
-        try:
-            n = os.write(fd, view)
-        except InterruptedError:
-            continue
-        except OSError:
-            return False
-        view = view[n:]
-    return True
-
-
 class _Runner:
     def __init__(self, o: Options) -> None:
         self.o = o
         self.pending: list[int] = []
         self.wake_r, self.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self.term: _Terminal | None = None
+        self.term: Terminal | None = None
         self.to_master = bytearray()
         self.stdin_open = False
         self.master_open = False
@@ -537,11 +237,11 @@ class _Runner:
             signal.signal(sig, self._on_signal)
         sock = _connect()
         try:
-            use_pty = os.isatty(0) and os.isatty(1) and _foreground()
+            use_pty = os.isatty(0) and os.isatty(1) and foreground()
             fds = [0, 1, 2]
             if use_pty:
                 try:
-                    self.term = _Terminal()
+                    self.term = Terminal()
                 except OSError:
                     self.term = None
             if self.term is not None:
@@ -695,7 +395,7 @@ class _Runner:
         if not data:
             self.master_open = False
             return False
-        if not _write_all(1, data):
+        if not write_all(1, data):
             self.master_open = False
             return False
         return True

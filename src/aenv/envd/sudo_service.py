@@ -37,13 +37,12 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from .httpserver import log
-from .state import DEFAULT_PATH, User, _strip_launcher_env
-from .sudo import (
+from .sudo_plan import Plan, Refused, authorize, plan
+from .sudo_protocol import (
     PROTOCOL,
     SCM_CREDENTIALS,
     SO_PASSCRED,
     SOCKET_ENV,
-    SUDO_GROUPS,
     FrameError,
     encode_frame,
     take_frames,
@@ -69,79 +68,6 @@ ALLOWED_SIGNALS = {
     signal.SIGSTOP,
     signal.SIGCONT,
 }
-# sudo's default env_keep (plus what env_reset always keeps); LC_* is matched by prefix.
-ENV_KEEP = frozenset(
-    {
-        "COLORS",
-        "DISPLAY",
-        "HOSTNAME",
-        "KRB5CCNAME",
-        "LS_COLORS",
-        "PS1",
-        "PS2",
-        "TERM",
-        "TZ",
-        "XAUTHORITY",
-        "XAUTHORIZATION",
-        "XDG_CURRENT_DESKTOP",
-        "LANG",
-        "LANGUAGE",
-        "LINGUAS",
-        "COLORTERM",
-    }
-)
-
-
-class Refused(Exception):
-    """The request is not allowed or cannot be carried out: the sudo-style message."""
-
-
-def _keep_var(name: str) -> bool:
-    return name in ENV_KEEP or name.startswith("LC_")
-
-
-def shell_quote_sudo(args: list[str]) -> str:
-    """The command line sudo hands to ``shell -c`` for ``-s``/``-i``: every character but
-    alphanumerics, ``_``, ``-`` and ``$`` backslash-escaped."""
-    out = []
-    for a in args:
-        out.append("".join(c if c.isalnum() or c in "_-$" else "\\" + c for c in a))
-    return " ".join(out)
-
-
-def _str_map(value: object, what: str) -> dict[str, str]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-    ):
-        raise Refused(f"sudo: bad request: {what} must be an object of strings")
-    return value
-
-
-def _which(cmd: str, path: str) -> str | None:
-    for d in path.split(":"):
-        if not d:
-            continue
-        p = os.path.join(d, cmd)
-        if os.path.isfile(p) and os.access(p, os.X_OK):
-            return p
-    return None
-
-
-class Plan:
-    """What to run, as whom, where, with which environment."""
-
-    def __init__(self) -> None:
-        self.executable = ""
-        self.argv: list[str] = []
-        self.env: dict[str, str] = {}
-        self.cwd = "/"
-        self.uid = 0
-        self.gid = 0
-        self.groups: list[int] = []
-        self.umask = 0o022
-        self.tty = False
 
 
 class SudoService:
@@ -221,7 +147,7 @@ class SudoService:
                 if not creds:
                     raise Refused("sudo: the request carries no credentials")
                 pid, uid, gid = creds[0]
-                self._authorize(uid, gid)
+                authorize(self.state.users, uid, gid)
                 if req.get("v") != PROTOCOL:
                     raise Refused(f"sudo: unsupported protocol version {req.get('v')!r}")
                 op = req.get("op")
@@ -240,8 +166,8 @@ class SudoService:
                     raise Refused(f"sudo: bad request: unknown op {op!r}")
                 if len(fds) != 3:
                     raise Refused("sudo: bad request: expected stdin, stdout and stderr fds")
-                plan = self.plan(req, uid, gid)
-                popen = self._spawn(plan, fds)
+                what = plan(self.state.users, req, uid, gid)
+                popen = self._spawn(what, fds)
             except Refused as e:
                 await self._send(conn, {"error": str(e), "exit": 1})
                 return
@@ -250,7 +176,7 @@ class SudoService:
                     with contextlib.suppress(OSError):
                         os.close(fd)
                 fds.clear()
-            log(f"sudo: uid {uid} (pid {pid}) runs {plan.argv[:8]!r} as uid {plan.uid}")
+            log(f"sudo: uid {uid} (pid {pid}) runs {what.argv[:8]!r} as uid {what.uid}")
             await self._supervise(conn, popen, buf)
         except Exception as e:  # never take envd down
             log(f"sudo: connection failed: {e!r}")
@@ -314,168 +240,39 @@ class SudoService:
         with contextlib.suppress(OSError):
             await self.loop.sock_sendall(conn, encode_frame(msg))
 
-    def _authorize(self, uid: int, gid: int) -> None:
-        if uid == 0:
-            return
-        users = self.state.users
-        caller = users.by_uid(uid)
-        gids = {gid, *(caller.groups if caller else ())}
-        if any(users.gid_name(g) in SUDO_GROUPS for g in gids):
-            return
-        name = caller.name if caller else str(uid)
-        raise Refused(f"{name} is not in the sudoers file.")
-
-    # -- what to run ------------------------------------------------------------------------
-
-    def _target(self, req: dict[str, Any], uid: int, gid: int) -> tuple[User, int]:
-        users = self.state.users
-        user_s, group_s = req.get("user"), req.get("group")
-        if user_s is not None and not isinstance(user_s, str):
-            raise Refused("sudo: bad request: user")
-        if group_s is not None and not isinstance(group_s, str):
-            raise Refused("sudo: bad request: group")
-        if user_s:
-            if user_s.startswith("#") and user_s[1:].isdigit():
-                target = users.by_uid(int(user_s[1:]))
-            else:
-                target = users.get(user_s)
-            if target is None:
-                raise Refused(f"sudo: unknown user {user_s}")
-        elif group_s:  # -g without -u: the invoking user with another group
-            target = users.by_uid(uid) or User(str(uid), uid, gid, "/", "/bin/sh")
-        else:
-            target = users.get("root") or User("root", 0, 0, "/root", "/bin/sh", (0,))
-        primary = target.gid
-        if group_s:
-            if group_s.startswith("#") and group_s[1:].isdigit():
-                primary = int(group_s[1:])
-            else:
-                g = users.group_gid(group_s)
-                if g is None:
-                    raise Refused(f"sudo: unknown group {group_s}")
-                primary = g
-        return target, primary
-
-    def plan(self, req: dict[str, Any], uid: int, gid: int) -> Plan:
-        """The sudo semantics: target user, environment (env_reset), argv, cwd."""
-        users = self.state.users
-        argv = req.get("argv") or []
-        if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
-            raise Refused("sudo: bad request: argv must be a list of strings")
-        caller_env = _strip_launcher_env(_str_map(req.get("env"), "env"))
-        assign = _str_map(req.get("assign"), "assign")
-        keep = req.get("keep") or []
-        if not isinstance(keep, list) or not all(isinstance(k, str) for k in keep):
-            raise Refused("sudo: bad request: keep must be a list of strings")
-        login = bool(req.get("login"))
-        shell = bool(req.get("shell"))
-        target, primary = self._target(req, uid, gid)
-        caller = users.by_uid(uid)
-        caller_name = caller.name if caller else str(uid)
-
-        # environment
-        if req.get("preserve_env") and not login:
-            env = dict(caller_env)
-            if req.get("set_home"):
-                env["HOME"] = target.home
-        else:
-            env = {k: v for k, v in caller_env.items() if _keep_var(k) or k in keep}
-            env["HOME"] = target.home
-            env["SHELL"] = target.shell or "/bin/sh"
-            env["MAIL"] = f"/var/mail/{target.name}"
-        if "SUDO_PS1" in caller_env:
-            env["PS1"] = caller_env["SUDO_PS1"]
-        env["PATH"] = DEFAULT_PATH if "PATH" not in keep else caller_env.get("PATH", DEFAULT_PATH)
-        env["USER"] = env["LOGNAME"] = target.name
-        env["SUDO_USER"] = caller_name
-        env["SUDO_UID"] = str(uid)
-        env["SUDO_GID"] = str(caller.gid if caller else gid)
-
-        # argv
-        cwd_req = req.get("cwd") if isinstance(req.get("cwd"), str) else None
-        chdir = req.get("chdir") if isinstance(req.get("chdir"), str) else None
-        if login or shell:
-            if login:
-                sh = target.shell or "/bin/sh"
-            else:
-                sh = caller_env.get("SHELL") or (caller.shell if caller else "") or "/bin/sh"
-            executable = sh
-            arg0 = "-" + os.path.basename(sh) if login else sh
-            full = [arg0, "-c", shell_quote_sudo(argv)] if argv else [arg0]
-            command_line = " ".join([sh, *full[1:]])
-        else:
-            if not argv:
-                raise Refused("sudo: no command given")
-            cmd = argv[0]
-            if "/" in cmd:
-                base = chdir or cwd_req or "/"
-                resolved: str | None = os.path.join(base, cmd)
-                if not os.path.exists(resolved or ""):
-                    resolved = None
-            else:
-                resolved = _which(cmd, env["PATH"])
-            if resolved is None:
-                raise Refused(f"sudo: {cmd}: command not found")
-            executable = resolved
-            full = list(argv)
-            command_line = " ".join([resolved if "/" not in cmd else cmd, *argv[1:]])
-        env["SUDO_COMMAND"] = command_line[:4096]
-        for k, v in assign.items():
-            if k and "=" not in k and "\0" not in k + v:
-                env[k] = v
-
-        # working directory
-        if chdir:
-            cwd = chdir if chdir.startswith("/") else os.path.join(cwd_req or "/", chdir)
-            if not os.path.isdir(cwd):
-                raise Refused(f"sudo: unable to change directory to {cwd}: No such directory")
-        elif login:
-            cwd = target.home if os.path.isdir(target.home) else "/"
-        else:
-            cwd = cwd_req if cwd_req and os.path.isdir(cwd_req) else "/"
-
-        p = Plan()
-        p.executable, p.argv, p.env, p.cwd = executable, full, env, cwd
-        p.uid, p.gid = target.uid, primary
-        p.groups = list(dict.fromkeys([primary, *target.groups]))
-        umask = req.get("umask")
-        p.umask = (umask if isinstance(umask, int) and 0 <= umask <= 0o777 else 0o022) | 0o022
-        p.tty = bool(req.get("tty"))
-        return p
-
     # -- running it -------------------------------------------------------------------------
 
-    def _spawn(self, plan: Plan, fds: list[int]) -> Any:
+    def _spawn(self, what: Plan, fds: list[int]) -> Any:
         import fcntl  # noqa: F401  (pre-import for the TIOCSCTTY preexec hook)
         import subprocess
         import termios  # noqa: F401
 
-        from .process import _set_ctty
+        from .terminal import set_ctty
 
-        kw: dict[str, Any] = {"extra_groups": plan.groups}
-        if plan.uid != 0 or plan.gid != 0:
-            kw.update(user=plan.uid, group=plan.gid)
-        if plan.tty:
-            kw["preexec_fn"] = _set_ctty
+        kw: dict[str, Any] = {"extra_groups": what.groups}
+        if what.uid != 0 or what.gid != 0:
+            kw.update(user=what.uid, group=what.gid)
+        if what.tty:
+            kw["preexec_fn"] = set_ctty
         try:
             return subprocess.Popen(
-                plan.argv,
-                executable=plan.executable,
+                what.argv,
+                executable=what.executable,
                 stdin=fds[0],
                 stdout=fds[1],
                 stderr=fds[2],
-                cwd=plan.cwd,
-                env=plan.env,
-                umask=plan.umask,
+                cwd=what.cwd,
+                env=what.env,
+                umask=what.umask,
                 start_new_session=True,
                 close_fds=True,
                 **kw,
             )
         except FileNotFoundError:
-            raise Refused(f"sudo: {plan.argv[0]}: command not found") from None
+            raise Refused(f"sudo: {what.argv[0]}: command not found") from None
         except (OSError, subprocess.SubprocessError) as e:
             msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            raise Refused(f"sudo: unable to execute {plan.executable}: {msg}") from None
+            raise Refused(f"sudo: unable to execute {what.executable}: {msg}") from None
 
     async def _supervise(self, conn: socket.socket, popen: Any, buf: bytearray) -> None:
         assert self.loop is not None
@@ -532,7 +329,7 @@ class SudoService:
                 if isinstance(sig, int) and sig in ALLOWED_SIGNALS:
                     _kill(pid, sig)
                 if msg.get("winch") is True:  # the client resized the command's pty
-                    from .process import session_winch
+                    from .terminal import session_winch
 
                     session_winch(pid)  # the command is a session leader
             try:
