@@ -286,7 +286,9 @@ def test_environment(env: Env) -> None:
     assert not any(k.startswith(("PYTHON", "AENV_")) for k in got)
     # -E keeps the caller's environment (but not the launcher's PYTHON* variables)
     got = dict(line.split("=", 1) for line in env.run("-E", "env", env=caller).stdout.splitlines())
-    assert got["SECRET"] == "x" and got["HOME"] == "/root" and got["PATH"] == sudo_protocol.SECURE_PATH
+    assert (
+        got["SECRET"] == "x" and got["HOME"] == "/root" and got["PATH"] == sudo_protocol.SECURE_PATH
+    )
     assert not any(k.startswith(("PYTHON", "AENV_")) for k in got)
     got = dict(
         line.split("=", 1)
@@ -533,7 +535,9 @@ def test_parse_args() -> None:
 
 
 def test_frames() -> None:
-    buf = bytearray(sudo_protocol.encode_frame({"a": 1}) + sudo_protocol.encode_frame({"b": [2]})[:5])
+    buf = bytearray(
+        sudo_protocol.encode_frame({"a": 1}) + sudo_protocol.encode_frame({"b": [2]})[:5]
+    )
     assert sudo_protocol.take_frames(buf) == [{"a": 1}]
     assert len(buf) == 5
     buf += sudo_protocol.encode_frame({"b": [2]})[5:]
@@ -543,9 +547,7 @@ def test_frames() -> None:
 
 
 def test_shell_quote() -> None:
-    assert sudo_plan.shell_quote_sudo(["echo", "a b", "$HOME", "x;y"]) == (
-        "echo a\\ b $HOME x\\;y"
-    )
+    assert sudo_plan.shell_quote_sudo(["echo", "a b", "$HOME", "x;y"]) == ("echo a\\ b $HOME x\\;y")
 
 
 def test_plan(tmp_path: Path) -> None:
@@ -584,7 +586,9 @@ def test_identity_comes_from_scm_credentials(env: Env) -> None:
             req = {"v": sudo_protocol.PROTOCOL, "op": "check"}
             anc = []
             if creds is not None:
-                anc.append((socket.SOL_SOCKET, sudo_protocol.SCM_CREDENTIALS, struct.pack("3i", *creds)))
+                anc.append(
+                    (socket.SOL_SOCKET, sudo_protocol.SCM_CREDENTIALS, struct.pack("3i", *creds))
+                )
             s.sendmsg([sudo_protocol.encode_frame(req)], anc)
             buf = bytearray()
             while not (frames := sudo_protocol.take_frames(buf)):
