@@ -3,6 +3,10 @@
 A backend boots a sandbox from a `SandboxSpec` (rootfs layers + mounts + init command + limits)
 inside its own network slot, and can freeze, thaw, checkpoint, restore and destroy it. It knows
 nothing about envd, templates or the API: the orchestrator composes those into the spec.
+
+What it hands back is an `Instance` (`aenv.domain`): the orchestrator reads its `id` and
+`address`, stores it whole (`dataclasses.asdict`, so `data` holds only JSON values) and passes
+it back; `data` is the backend's own and means nothing to anyone else.
 """
 
 from __future__ import annotations
@@ -10,7 +14,10 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from aenv.domain import Instance
+
+__all__ = ["Instance", "Mount", "Runtime", "SandboxSpec", "Stats"]
 
 
 @dataclass(frozen=True)
@@ -41,40 +48,6 @@ class SandboxSpec:
 
 
 @dataclass
-class Instance:
-    """A running (or frozen) sandbox as the backend sees it. Serialisable via `to_json`."""
-
-    sandbox_id: str
-    container_id: str
-    # Address on the host through which every port of the sandbox is reachable.
-    address: str
-    slot: int
-    bundle_dir: Path
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "sandbox_id": self.sandbox_id,
-            "container_id": self.container_id,
-            "address": self.address,
-            "slot": self.slot,
-            "bundle_dir": str(self.bundle_dir),
-            "extra": self.extra,
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Instance:
-        return cls(
-            sandbox_id=d["sandbox_id"],
-            container_id=d["container_id"],
-            address=d["address"],
-            slot=int(d["slot"]),
-            bundle_dir=Path(d["bundle_dir"]),
-            extra=dict(d.get("extra") or {}),
-        )
-
-
-@dataclass
 class Stats:
     cpu_used_pct: float
     mem_used_bytes: int
@@ -91,11 +64,11 @@ class Runtime(abc.ABC):
     async def start(self, keep: set[str]) -> dict[str, Instance]:
         """Prepare the host (pools, NAT) and reconcile after a crash.
 
-        `keep` holds the container ids the catalog still knows as running, frozen or stopped:
-        the backend returns the ones it could recover (still alive, or stopped with their
-        network slot intact: `is_stopped(inst)`) and removes every other trace it left on the
-        host (containers, netns, veths, mounts, bundle dirs). It never deletes a sandbox's
-        `upper` directory."""
+        `keep` holds the instance ids (`Instance.id`) the catalog still knows as running,
+        frozen or stopped: the backend returns, keyed by id, the ones it could recover (still
+        alive, or stopped with their network slot intact: `is_stopped`) and removes every
+        other trace it left on the host (containers, netns, veths, mounts, bundle dirs). It
+        never deletes a sandbox's `upper` directory."""
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -106,7 +79,7 @@ class Runtime(abc.ABC):
         """Boot a sandbox; returns once its init process was started (not once envd answers).
 
         `reuse`: a stopped instance (see `stop`) of the same sandbox whose network slot (and
-        so address) and, where possible, container id the new one takes over."""
+        so address) and, where possible, instance id the new one takes over."""
 
     @abc.abstractmethod
     async def stop(self, inst: Instance) -> None:
@@ -130,18 +103,22 @@ class Runtime(abc.ABC):
 
     @abc.abstractmethod
     async def checkpoint(self, inst: Instance, image_dir: Path, *, leave_running: bool) -> None:
-        """Write memory + process state (and in-sandbox FS state the backend keeps) to image_dir."""
+        """Write memory + process state (and in-sandbox FS state the backend keeps) to
+        image_dir, after which `image_complete(image_dir)` holds. With `leave_running` the
+        sandbox goes on; without, it is done (not `alive`) and only `stop` or `destroy` may
+        follow."""
 
     @abc.abstractmethod
     async def restore(
         self, spec: SandboxSpec, image_dir: Path, *, reuse: Instance | None = None
     ) -> Instance:
-        """Start a sandbox from a checkpoint image: a new one (own container id, own network
+        """Start a sandbox from a checkpoint image: a new one (own instance id, own network
         slot), or with `reuse` the stopped instance's own slot (same address) and id.
 
         The image must come from a sandbox with the same rootfs mode (`upper` set or not);
         with `upper`, `spec.layers` must hold what the checkpointed sandbox saw (typically its
-        sealed upper on top of its old layers) and `spec.upper` a fresh empty directory."""
+        sealed upper on top of its old layers) and `spec.upper` a fresh empty directory.
+        Raises `RuntimeFailure` when `image_dir` is not `image_complete`."""
 
     @abc.abstractmethod
     async def stats(self, inst: Instance) -> Stats: ...
@@ -149,7 +126,11 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     async def alive(self, inst: Instance) -> bool: ...
 
-    @staticmethod
-    def is_stopped(inst: Instance) -> bool:
+    @abc.abstractmethod
+    def is_stopped(self, inst: Instance) -> bool:
         """True for an instance after `stop` (its slot kept, no processes)."""
-        return bool(inst.extra.get("stopped"))
+
+    @abc.abstractmethod
+    def image_complete(self, image_dir: Path) -> bool:
+        """Whether `image_dir` holds a whole checkpoint image this backend can restore (what
+        `checkpoint` wrote, all of it: a partly fetched or interrupted one is not)."""
