@@ -20,11 +20,20 @@ from urllib.parse import quote
 
 import httpx
 
-from aenv.cli.connect import FLAG_END_STREAM, EnvelopeDecoder, encode_envelope
+from aenv.envd_wire import (
+    PROCESS_START,
+    StreamReader,
+    WireError,
+    auth_headers,
+    call_headers,
+    encode_envelope,
+    parse_process_event,
+    route_headers,
+    start_request,
+)
 
 from .stats import parse_server_timing
 
-ENVD_PORT = 49983
 # Per request while cleaning up: a server that does not answer is stopped and purged anyway.
 CLEANUP_TIMEOUT = 30.0
 TEMPLATE = "base"
@@ -307,30 +316,30 @@ class Api:
 
     # -- envd (through the server's proxy) ---------------------------------------------------
 
-    def _envd_headers(self, sbx: Sbx, content_type: str) -> dict[str, str]:
-        headers = {
-            "E2b-Sandbox-Id": sbx.sandbox_id,
-            "E2b-Sandbox-Port": str(ENVD_PORT),
-            "Content-Type": content_type,
+    def _files_headers(self, sbx: Sbx) -> dict[str, str]:
+        return {
+            **route_headers(sbx.sandbox_id),
+            **auth_headers(sbx.token),
+            "Content-Type": "application/octet-stream",
         }
-        if sbx.token:
-            headers["X-Access-Token"] = sbx.token
-        return headers
 
     async def run(self, sbx: Sbx, cmd: str = "true", timeout: float = 60.0) -> Timed:
         """`commands.run(cmd)`: `process.Process/Start` with `/bin/bash -l -c cmd`, reading
         the server stream until the end-of-stream envelope; fails unless the exit code is 0
         (or no answer within `timeout` seconds of silence)."""
-        headers = self._envd_headers(sbx, "application/connect+json")
-        headers["Connect-Protocol-Version"] = "1"
-        body = encode_envelope({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", cmd]}})
-        decoder = EnvelopeDecoder()
-        exit_code: int | None = None
+        headers = {
+            **route_headers(sbx.sandbox_id),
+            **auth_headers(sbx.token),
+            **call_headers(stream=True),
+        }
+        body = encode_envelope(start_request("/bin/bash", ["-l", "-c", cmd]))
+        reader = StreamReader()
+        exit_code = 0
         t0 = time.perf_counter()
         try:
             async with self._http.stream(
                 "POST",
-                "/process.Process/Start",
+                f"/{PROCESS_START}",
                 content=body,
                 headers=headers,
                 timeout=httpx.Timeout(timeout, connect=10.0),
@@ -339,28 +348,23 @@ class Api:
                     await resp.aread()
                     raise BenchError(f"exec: HTTP {resp.status_code}: {_message(resp)}")
                 async for chunk in resp.aiter_bytes():
-                    for flags, payload in decoder.feed(chunk):
-                        msg = json.loads(payload or b"{}")
-                        if flags & FLAG_END_STREAM:
-                            if isinstance(msg, dict) and msg.get("error"):
-                                raise BenchError(f"exec: {msg['error']}")
-                            ms = (time.perf_counter() - t0) * 1000
-                            if exit_code not in (0, None):
-                                raise BenchError(f"exec {cmd!r:.60}: exit code {exit_code}")
-                            return Timed(ms, {}, None, 200)
-                        end = (
-                            ((msg.get("event") or {}).get("end") or {})
-                            if isinstance(msg, dict)
-                            else {}
-                        )
-                        if end:
-                            exit_code = int(end.get("exitCode") or 0)
+                    for msg in reader.feed(chunk):
+                        event = parse_process_event(msg)
+                        if event is not None and event.kind == "end":
+                            exit_code = event.exit_code
+                    if reader.ended:
+                        ms = (time.perf_counter() - t0) * 1000
+                        if exit_code != 0:
+                            raise BenchError(f"exec {cmd!r:.60}: exit code {exit_code}")
+                        return Timed(ms, {}, None, 200)
+        except WireError as exc:
+            raise BenchError(f"exec: {exc} ({exc.code})") from None
         except httpx.HTTPError as exc:
             raise BenchError(f"exec: {_describe(exc, time.perf_counter() - t0)}") from None
         raise BenchError("exec: the stream ended without an end-of-stream message")
 
     async def write_file(self, sbx: Sbx, path: str, data: bytes) -> Timed:
-        headers = self._envd_headers(sbx, "application/octet-stream")
+        headers = self._files_headers(sbx)
         t0 = time.perf_counter()
         try:
             resp = await self._http.post(
@@ -374,7 +378,7 @@ class Api:
         return Timed(ms, {}, None, 200)
 
     async def read_file(self, sbx: Sbx, path: str, expect: int | None = None) -> Timed:
-        headers = self._envd_headers(sbx, "application/octet-stream")
+        headers = self._files_headers(sbx)
         t0 = time.perf_counter()
         try:
             resp = await self._http.get("/files", params={"path": path}, headers=headers)

@@ -16,7 +16,6 @@ import asyncio
 import multiprocessing
 import socket
 import statistics
-import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -282,4 +281,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

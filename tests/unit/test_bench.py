@@ -3,29 +3,16 @@ Markdown report, and a server without pause/snapshot/fork (a fake httpx transpor
 
 from __future__ import annotations
 
-import importlib
 import json
 import struct
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-stats = importlib.import_module("bench.stats")
-report = importlib.import_module("bench.report")
-client = importlib.import_module("bench.client")
-scenarios = importlib.import_module("bench.scenarios")
-plan_mod = importlib.import_module("bench.plan")
-harness = importlib.import_module("bench.harness")
-hostproc = importlib.import_module("bench.hostproc")
-
+from bench import client, harness, hostproc, report, scenarios, stats
+from bench import plan as plan_mod
 
 # -- percentiles -------------------------------------------------------------------------------
 

@@ -31,16 +31,11 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import pytest
 from typer.testing import CliRunner
 
-from aenv.cli.connect import (
-    ConnectError,
-    EnvdClient,
-    EnvelopeDecoder,
-    b64decode,
-    encode_envelope,
-)
+from aenv.cli.connect import ConnectError, EnvdClient
 from aenv.cli.errors import CliError
 from aenv.cli.main import app
 from aenv.cli.session import exit_code_of, run_command, signal_number
+from aenv.envd_wire import EnvelopeDecoder, b64decode, encode_envelope, parse_process_event
 
 API_KEY = "e2b_test_key"
 
@@ -189,9 +184,10 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         if len(parts) >= 2 and parts[0] in ("sandboxes", "v2"):
             sid = parts[1] if parts[0] == "sandboxes" else parts[2]
-            sb = fake.sandboxes.get(sid)
-            if sb is None:
+            found = fake.sandboxes.get(sid)
+            if found is None:
                 return self._error(404, f"sandbox {sid} not found")
+            sb = found
             if method == "GET" and parts == ["sandboxes", sid]:
                 return self._send(200, sb)
             if method == "DELETE" and parts == ["sandboxes", sid]:
@@ -338,24 +334,7 @@ def _one_error_line(stderr: str) -> str:
     return lines[0]
 
 
-# -- envelopes and exit codes -----------------------------------------------------------
-
-
-def test_envelope_roundtrip_split_anywhere() -> None:
-    msgs = [{"event": {"start": {"pid": 7}}}, {"event": {"data": {"stdout": "aGk="}}}]
-    wire = b"".join(encode_envelope(m) for m in msgs) + encode_envelope({}, 2)
-    assert wire[:5] == b"\x00" + struct.pack(">I", len(json.dumps(msgs[0], separators=(",", ":"))))
-    for cut in range(len(wire) + 1):
-        dec = EnvelopeDecoder()
-        got = dec.feed(wire[:cut]) + dec.feed(wire[cut:])
-        assert [f for f, _ in got] == [0, 0, 2]
-        assert [json.loads(p) for _, p in got] == [*msgs, {}]
-        assert dec.pending == 0
-
-
-def test_b64decode_accepts_urlsafe_and_unpadded() -> None:
-    assert b64decode("aGk") == b"hi"
-    assert b64decode(base64.urlsafe_b64encode(b"\xfb\xff").decode()) == b"\xfb\xff"
+# -- exit codes (the wire format itself: test_envd_wire.py) -----------------------------
 
 
 @pytest.mark.parametrize(
@@ -373,7 +352,9 @@ def test_b64decode_accepts_urlsafe_and_unpadded() -> None:
     ],
 )
 def test_exit_code_of(end: dict[str, Any], code: int) -> None:
-    assert exit_code_of(end) == code
+    event = parse_process_event({"event": {"end": end}})
+    assert event is not None and event.kind == "end"
+    assert exit_code_of(event) == code
 
 
 def test_signal_number() -> None:

@@ -1,13 +1,9 @@
-"""`aenv bench`: runs the benchmark harness in `bench/` (source tree) and prints its table.
-
-The harness lives beside the package (`bench/`, not installed), so this module finds it from
-its own location in the source tree (`make bench` runs the editable install in `.venv`).
-"""
+"""`aenv bench`: runs the benchmark harness (the `bench` package, beside `src/`) and prints
+its table. The harness is imported when the command runs, not when the CLI starts."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import os
 import sys
 import time
@@ -17,19 +13,6 @@ from typing import Annotated, Any
 import typer
 
 from .errors import CliError
-
-_SOURCE_ROOT = Path(__file__).resolve().parents[3]
-
-
-def _harness() -> Any:
-    if (_SOURCE_ROOT / "bench" / "harness.py").is_file() and str(_SOURCE_ROOT) not in sys.path:
-        sys.path.insert(0, str(_SOURCE_ROOT))
-    try:
-        return importlib.import_module("bench.harness")
-    except ImportError as exc:
-        raise CliError(
-            f"the benchmark harness (bench/ in the aenv source tree) cannot be loaded: {exc}"
-        ) from None
 
 
 class RichProgress:
@@ -88,7 +71,8 @@ class RichProgress:
         self._bar.console.print(f"[dim]{escape(message)}[/]", highlight=False)
 
 
-def _print_table(doc: dict[str, Any], report: Any) -> None:
+def _print_table(doc: dict[str, Any]) -> None:
+    from bench import report
     from rich.table import Table
 
     from .output import print_table
@@ -146,8 +130,11 @@ def bench(
 ) -> None:
     """Benchmark a server through its HTTP API (and raw runsc as the baseline); writes
     bench/results/latest.json and prints the table."""
-    harness = _harness()
-    report = importlib.import_module("bench.report")
+    try:
+        from bench import harness, report
+        from bench.client import BenchError
+    except ImportError as exc:
+        raise CliError(f"the benchmark harness (bench/) cannot be loaded: {exc}") from None
     state = ctx.find_root().obj
     # The global `aenv --url/--api-key` count too; without any URL the bench starts a server.
     url = url or getattr(state, "url_option", None)
@@ -179,16 +166,15 @@ def bench(
         logs_dir=logs,
     )
     t0 = time.monotonic()
-    bench_error = importlib.import_module("bench.client").BenchError
     with RichProgress() as progress:
         try:
             doc = asyncio.run(harness.run(opts, progress))
-        except bench_error as exc:
+        except BenchError as exc:
             raise CliError(str(exc)) from None
         except asyncio.CancelledError:  # SIGTERM/SIGHUP, after the clean-up
             sys.stderr.write("aenv: bench stopped; everything it started was removed\n")
             raise typer.Exit(143) from None
-    _print_table(doc, report)
+    _print_table(doc)
     # A partial run (--only) writes only its dated copy, never latest.json.
     out = opts.results_dir / ("latest.json" if opts.only is None else "<date>.json")
     sys.stderr.write(

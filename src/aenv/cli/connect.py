@@ -1,30 +1,32 @@
-"""A minimal Connect-RPC client (JSON codec) for envd, over httpx (protocol §3.1).
+"""The CLI's synchronous Connect-RPC client for envd, over httpx (protocol §3.1).
 
 Every request goes to the aenv server's single port and is routed to the sandbox by the
-`E2b-Sandbox-Id` / `E2b-Sandbox-Port` headers. Server streams use envelopes: one flag
-byte, a 4-byte big-endian length, then the JSON payload; flag 0x02 marks the end-of-stream
-message, `{}` or `{"error": {"code", "message"}}`. `bytes` fields travel as base64.
+`E2b-Sandbox-Id` / `E2b-Sandbox-Port` headers. The wire format (envelopes, headers, events)
+is `aenv.envd_wire`'s.
 """
 
 from __future__ import annotations
 
-import base64
 import json
-import struct
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
+from ..envd_wire import (
+    ProcessEvent,
+    StreamReader,
+    WireError,
+    auth_headers,
+    call_headers,
+    encode_envelope,
+    error_code,
+    error_from_json,
+    parse_process_event,
+    route_headers,
+)
 from .client import USER_AGENT, server_message, transport_error
 from .errors import CliError
-
-ENVD_PORT = 49983
-FLAG_COMPRESSED = 0x01
-FLAG_END_STREAM = 0x02
-_HEADER = struct.Struct(">BI")
-# A sanity bound on one message; envd's own chunks are far smaller.
-MAX_MESSAGE = 64 << 20
 
 
 class ConnectError(CliError):
@@ -34,88 +36,17 @@ class ConnectError(CliError):
         super().__init__(f"{message} ({code})" if message else code, status=status)
         self.code = code
 
-
-def encode_envelope(message: dict[str, Any], flags: int = 0) -> bytes:
-    payload = json.dumps(message, separators=(",", ":")).encode()
-    return _HEADER.pack(flags, len(payload)) + payload
-
-
-class EnvelopeDecoder:
-    """Incremental decoder: feed bytes as they arrive, get whole envelopes back."""
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
-        self._buf += data
-        out: list[tuple[int, bytes]] = []
-        while len(self._buf) >= _HEADER.size:
-            flags, length = _HEADER.unpack_from(self._buf)
-            if length > MAX_MESSAGE:
-                raise ConnectError("resource_exhausted", f"stream message of {length} bytes")
-            end = _HEADER.size + length
-            if len(self._buf) < end:
-                break
-            out.append((flags, bytes(self._buf[_HEADER.size : end])))
-            del self._buf[:end]
-        return out
-
-    @property
-    def pending(self) -> int:
-        return len(self._buf)
-
-
-def b64encode(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def b64decode(data: str) -> bytes:
-    # proto3 JSON accepts standard or URL-safe base64, with or without padding.
-    s = data.replace("-", "+").replace("_", "/")
-    return base64.b64decode(s + "=" * (-len(s) % 4))
-
-
-def _error_from_json(obj: Any, default: str) -> ConnectError:
-    if isinstance(obj, dict):
-        code = obj.get("code")
-        message = obj.get("message")
-        return ConnectError(
-            str(code) if code is not None else default,
-            str(message) if message else "",
-        )
-    return ConnectError(default, "")
-
-
-def _http_code(status: int) -> str:
-    return {
-        400: "invalid_argument",
-        401: "unauthenticated",
-        403: "permission_denied",
-        404: "not_found",
-        408: "deadline_exceeded",
-        409: "already_exists",
-        410: "failed_precondition",
-        413: "resource_exhausted",
-        429: "resource_exhausted",
-        499: "canceled",
-        501: "unimplemented",
-        502: "unavailable",
-        503: "unavailable",
-        504: "deadline_exceeded",
-    }.get(status, "unknown")
+    @classmethod
+    def of(cls, exc: WireError) -> ConnectError:
+        return cls(exc.code, exc.message)
 
 
 def _response_error(resp: httpx.Response) -> ConnectError:
     """A non-200 answer: a Connect error body, an aenv `{code:int, message}` body from the
     proxy (e.g. 410 for a paused sandbox), or anything else."""
-    code = _http_code(resp.status_code)
-    try:
-        body = resp.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and isinstance(body.get("code"), str):
-        code = body["code"]
-    return ConnectError(code, server_message(resp), status=resp.status_code)
+    return ConnectError(
+        error_code(resp.status_code, resp.content), server_message(resp), status=resp.status_code
+    )
 
 
 class EnvdClient:
@@ -137,14 +68,9 @@ class EnvdClient:
         self._kwargs: dict[str, Any] = {"user": user, "timeout": timeout, "transport": transport}
         headers = {
             "User-Agent": USER_AGENT,
-            "E2b-Sandbox-Id": sandbox_id,
-            "E2b-Sandbox-Port": str(ENVD_PORT),
-            "Connect-Protocol-Version": "1",
+            **route_headers(sandbox_id),
+            **auth_headers(access_token, user),
         }
-        if access_token:
-            headers["X-Access-Token"] = access_token
-        if user:
-            headers["Authorization"] = "Basic " + b64encode(f"{user}:".encode())
         self._timeout = timeout
         self._http = httpx.Client(
             base_url=self.url, headers=headers, timeout=timeout, transport=transport
@@ -169,7 +95,7 @@ class EnvdClient:
             resp = self._http.post(
                 f"/{method}",
                 content=json.dumps(message, separators=(",", ":")).encode(),
-                headers={"Content-Type": "application/json"},
+                headers=call_headers(stream=False),
             )
         except httpx.TransportError as exc:
             raise transport_error(self.url, exc) from None
@@ -186,12 +112,13 @@ class EnvdClient:
     ) -> Iterator[dict[str, Any]]:
         """A server-streaming call: yields each response message as it arrives; raises
         `ConnectError` for an end-of-stream error or a stream cut short."""
-        headers = {"Content-Type": "application/connect+json", "Keepalive-Ping-Interval": "50"}
-        if timeout_ms:
-            headers["Connect-Timeout-Ms"] = str(timeout_ms)
+        headers = {
+            **call_headers(stream=True, timeout_ms=timeout_ms),
+            "Keepalive-Ping-Interval": "50",
+        }
         # Reads may be idle for long (an interactive shell); envd sends keepalives.
         timeout = httpx.Timeout(self._timeout, read=None)
-        decoder = EnvelopeDecoder()
+        reader = StreamReader()
         try:
             with self._http.stream(
                 "POST",
@@ -207,27 +134,34 @@ class EnvdClient:
                 if ctype.startswith("application/json"):
                     # A unary-style error answer with status 200 is not valid, but be clear.
                     resp.read()
-                    raise _error_from_json(_safe_json(resp.content), "unknown")
+                    raise ConnectError.of(error_from_json(_json_or_none(resp.content)))
                 for chunk in resp.iter_bytes():
-                    for flags, payload in decoder.feed(chunk):
-                        if flags & FLAG_COMPRESSED:
-                            raise ConnectError("internal", "compressed stream message")
-                        obj = _safe_json(payload)
-                        if flags & FLAG_END_STREAM:
-                            if isinstance(obj, dict) and obj.get("error"):
-                                raise _error_from_json(obj["error"], "unknown")
-                            return
-                        if isinstance(obj, dict):
-                            yield obj
+                    yield from reader.feed(chunk)
+                    if reader.ended:
+                        return
+        except WireError as exc:
+            raise ConnectError.of(exc) from None
         except httpx.TransportError as exc:
             raise transport_error(self.url, exc) from None
         raise ConnectError(
             "unavailable", f"{method}: stream ended without an end-of-stream message"
         )
 
+    def process(
+        self, method: str, message: dict[str, Any], *, timeout_ms: int | None = None
+    ) -> Iterator[ProcessEvent]:
+        """The events of a process stream (`process.Process/Start` or `Connect`)."""
+        for msg in self.stream(method, message, timeout_ms=timeout_ms):
+            try:
+                event = parse_process_event(msg)
+            except WireError as exc:
+                raise ConnectError.of(exc) from None
+            if event is not None:
+                yield event
 
-def _safe_json(payload: bytes) -> Any:
+
+def _json_or_none(payload: bytes) -> Any:
     try:
         return json.loads(payload)
     except ValueError:
-        raise ConnectError("internal", "malformed JSON in a stream message") from None
+        return None

@@ -17,14 +17,18 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, BinaryIO, cast
 
-from .connect import ConnectError, EnvdClient, b64decode, b64encode
+from ..envd_wire import (
+    PROCESS_CLOSE_STDIN,
+    PROCESS_SEND_INPUT,
+    PROCESS_SEND_SIGNAL,
+    PROCESS_START,
+    PROCESS_UPDATE,
+    ProcessEvent,
+    b64encode,
+    start_request,
+)
+from .connect import ConnectError, EnvdClient
 from .errors import CliError
-
-START = "process.Process/Start"
-SEND_INPUT = "process.Process/SendInput"
-SEND_SIGNAL = "process.Process/SendSignal"
-CLOSE_STDIN = "process.Process/CloseStdin"
-UPDATE = "process.Process/Update"
 
 # Go's `syscall.Signal.String()` on Linux, as envd puts it in `status` ("signal: killed").
 _GO_SIGNAL_NAMES = {
@@ -65,35 +69,23 @@ def signal_number(status: str) -> int | None:
     return None
 
 
-def exit_code_of(end: dict[str, Any]) -> int:
+def exit_code_of(end: ProcessEvent) -> int:
     """The local exit code for a process `end` event: its exit code, 128+n for a signal,
-    1 when unknown. proto3 JSON omits zero values, so a missing field is 0/false."""
-    try:
-        code = int(end.get("exitCode", 0))
-    except (TypeError, ValueError):
-        code = 1
-    status = str(end.get("status") or "")
-    if end.get("exited") and code >= 0:
+    1 when unknown."""
+    code = end.exit_code
+    if end.exited and code >= 0:
         return code & 0xFF
-    sig = signal_number(status)
+    sig = signal_number(end.status)
     if sig is not None:
         return 128 + sig
-    m = _EXIT_RE.search(status)
+    m = _EXIT_RE.search(end.status)
     if m:
         return int(m.group(1)) & 0xFF
     if code >= 0:
-        return code & 0xFF if code or not end.get("error") else 1
+        return code & 0xFF if code or not end.error else 1
     if code < -1:  # a Popen-style -N for signal N
         return 128 + (-code)
     return 1
-
-
-def _event(msg: dict[str, Any]) -> tuple[str, Any]:
-    event = msg.get("event")
-    if not isinstance(event, dict) or not event:
-        return "", None
-    kind = next(iter(event))
-    return kind, event[kind]
 
 
 def _write(stream: BinaryIO, data: bytes) -> None:
@@ -160,41 +152,35 @@ def run_command(
     kill on ^C) use a clone of `envd`."""
     out = stdout or _binary(sys.stdout)
     err = stderr or _binary(sys.stderr)
-    process: dict[str, Any] = {"cmd": "/bin/bash", "args": ["-l", "-c", command]}
-    if envs:
-        process["envs"] = envs
-    if cwd:
-        process["cwd"] = cwd
-    request: dict[str, Any] = {"process": process}
-    if forward_stdin:
-        request["stdin"] = True
+    request = start_request(
+        "/bin/bash", ["-l", "-c", command], envs=envs, cwd=cwd, stdin=forward_stdin
+    )
     make_client = envd.clone
 
     pid: int | None = None
-    end: dict[str, Any] | None = None
+    end: ProcessEvent | None = None
     stop = threading.Event()
     feeder: threading.Thread | None = None
     try:
-        for msg in envd.stream(START, request, timeout_ms=timeout_ms):
-            kind, body = _event(msg)
-            if kind == "start":
-                pid = int((body or {}).get("pid", 0))
+        for event in envd.process(PROCESS_START, request, timeout_ms=timeout_ms):
+            if event.kind == "start":
+                pid = event.pid
                 if forward_stdin and feeder is None:
                     feeder = threading.Thread(
                         target=_feed_stdin, args=(make_client, pid, stop), daemon=True
                     )
                     feeder.start()
-            elif kind == "data" and isinstance(body, dict):
-                for key, value in body.items():
-                    if isinstance(value, str) and value:
-                        _write(err if key == "stderr" else out, b64decode(value))
-            elif kind == "end":
-                end = body if isinstance(body, dict) else {}
+            elif event.kind == "end":
+                end = event
+            else:
+                _write(err if event.kind == "stderr" else out, event.data)
     except KeyboardInterrupt:
         stop.set()
         if pid is not None:
             with contextlib.suppress(CliError), make_client() as killer:
-                killer.unary(SEND_SIGNAL, {"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"})
+                killer.unary(
+                    PROCESS_SEND_SIGNAL, {"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}
+                )
         return 130
     finally:
         stop.set()
@@ -202,9 +188,9 @@ def run_command(
         raise CliError("the command stream ended before the process started")
     if end is None:
         raise CliError("the command ended without an end event")
-    error = str(end.get("error") or "")
+    error = end.error
     # "exit status N" / "signal: killed" only restate the exit code we return.
-    if error and error != end.get("status") and not _EXIT_RE.fullmatch(error):
+    if error and error != end.status and not _EXIT_RE.fullmatch(error):
         print(f"aenv: {error}", file=sys.stderr)
     return exit_code_of(end)
 
@@ -212,10 +198,12 @@ def run_command(
 def _feed_stdin(make_client: Callable[[], EnvdClient], pid: int, stop: threading.Event) -> None:
     with contextlib.suppress(CliError), make_client() as client:
         for data in _read_chunks(stop):
-            client.unary(SEND_INPUT, {"process": {"pid": pid}, "input": {"stdin": b64encode(data)}})
+            client.unary(
+                PROCESS_SEND_INPUT, {"process": {"pid": pid}, "input": {"stdin": b64encode(data)}}
+            )
         if not stop.is_set():
             with contextlib.suppress(CliError):
-                client.unary(CLOSE_STDIN, {"process": {"pid": pid}})
+                client.unary(PROCESS_CLOSE_STDIN, {"process": {"pid": pid}})
 
 
 # -- interactive shell --------------------------------------------------------------------
@@ -277,14 +265,13 @@ def attach_shell(
     """
     cols, rows = terminal_size()
     term = os.environ.get("TERM") or "xterm-256color"
-    process: dict[str, Any] = {
-        "cmd": "/bin/bash",
-        "args": ["-i", "-l"],
-        "envs": {"TERM": term, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", **(envs or {})},
-    }
-    if cwd:
-        process["cwd"] = cwd
-    request = {"process": process, "pty": {"size": {"cols": cols, "rows": rows}}}
+    request = start_request(
+        "/bin/bash",
+        ["-i", "-l"],
+        envs={"TERM": term, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", **(envs or {})},
+        cwd=cwd,
+        pty_size=(cols, rows),
+    )
 
     fd = _stdin_fd()
     interactive = fd is not None and os.isatty(fd)
@@ -294,7 +281,7 @@ def attach_shell(
     threads: list[threading.Thread] = []
     old_winch: Any = None
     winch_installed = False
-    end: dict[str, Any] | None = None
+    end: ProcessEvent | None = None
 
     def on_winch(signum: int, frame: FrameType | None) -> None:
         jobs.put(("resize", terminal_size()))
@@ -303,10 +290,9 @@ def attach_shell(
     try:
         with _RawMode(fd if interactive else None):
             try:
-                for msg in envd.stream(START, request):
-                    kind, body = _event(msg)
-                    if kind == "start" and not threads:
-                        pid = int((body or {}).get("pid", 0))
+                for event in envd.process(PROCESS_START, request):
+                    if event.kind == "start" and not threads:
+                        pid = event.pid
                         if interactive and threading.current_thread() is threading.main_thread():
                             old_winch = signal.signal(signal.SIGWINCH, on_winch)
                             winch_installed = True
@@ -322,12 +308,10 @@ def attach_shell(
                         ]
                         for t in threads:
                             t.start()
-                    elif kind == "data" and isinstance(body, dict):
-                        for value in body.values():
-                            if isinstance(value, str) and value:
-                                _write(out, b64decode(value))
-                    elif kind == "end":
-                        end = body if isinstance(body, dict) else {}
+                    elif event.kind == "end":
+                        end = event
+                    elif event.kind != "start":
+                        _write(out, event.data)
             finally:
                 stop.set()
                 if winch_installed:
@@ -379,10 +363,12 @@ def _shell_worker(
             with contextlib.suppress(CliError):
                 if kind == "input":
                     client.unary(
-                        SEND_INPUT, {"process": selector, "input": {"pty": b64encode(value)}}
+                        PROCESS_SEND_INPUT,
+                        {"process": selector, "input": {"pty": b64encode(value)}},
                     )
                 elif kind == "resize":
                     c, r = value
                     client.unary(
-                        UPDATE, {"process": selector, "pty": {"size": {"cols": c, "rows": r}}}
+                        PROCESS_UPDATE,
+                        {"process": selector, "pty": {"size": {"cols": c, "rows": r}}},
                     )

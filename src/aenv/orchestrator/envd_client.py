@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
-import struct
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from ..envd_wire import (
+    FILESYSTEM_MAKE_DIR,
+    PROCESS_START,
+    ProcessEvent,
+    StreamReader,
+    WireError,
+    auth_headers,
+    call_headers,
+    encode_envelope,
+    error_code,
+    parse_process_event,
+    start_request,
+)
 from ..errors import GatewayTimeout, RuntimeFailure
+
+__all__ = ["EnvdClient", "EnvdRpc", "ProcessEvent", "SandboxProcessError"]
 
 
 class EnvdClient:
@@ -64,71 +76,15 @@ class EnvdClient:
             body["defaultUser"] = user
         if workdir:
             body["defaultWorkdir"] = workdir
-        headers = {"X-Access-Token": current_token} if current_token else {}
-        resp = await self._http.post(f"http://{host}:{port}/init", json=body, headers=headers)
+        resp = await self._http.post(
+            f"http://{host}:{port}/init", json=body, headers=auth_headers(current_token)
+        )
         if resp.status_code >= 300:
             raise RuntimeFailure(f"envd /init failed: {resp.status_code} {resp.text[:200]}")
 
 
-# --------------------------------------------------------------------------------------------
 # Connect-RPC calls into a sandbox (process.Process/Start, filesystem MakeDir, /files upload),
 # for work the node itself does inside sandboxes (template builds, image entrypoints).
-# JSON codec; server streams are envelopes: a flag byte, a 4-byte big-endian length, JSON.
-
-_ENVELOPE = struct.Struct(">BI")
-_END_STREAM = 0x02
-
-
-@dataclass
-class ProcessEvent:
-    """One event of a process stream: `start` (pid), `data` (stdout/stderr bytes), `end`."""
-
-    kind: str  # "start" | "stdout" | "stderr" | "end"
-    pid: int = 0
-    data: bytes = b""
-    exit_code: int | None = None
-    status: str = ""
-    error: str = ""
-
-
-def _envelope(message: dict[str, Any]) -> bytes:
-    payload = json.dumps(message, separators=(",", ":")).encode()
-    return _ENVELOPE.pack(0, len(payload)) + payload
-
-
-def _rpc_headers(token: str, user: str | None) -> dict[str, str]:
-    headers = {"Connect-Protocol-Version": "1"}
-    if token:
-        headers["X-Access-Token"] = token
-    if user:
-        headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:".encode()).decode()
-    return headers
-
-
-def _parse_event(obj: dict[str, Any]) -> ProcessEvent | None:
-    ev = obj.get("event") or {}
-    if "start" in ev:
-        return ProcessEvent("start", pid=int((ev["start"] or {}).get("pid") or 0))
-    if "data" in ev:
-        data = ev["data"] or {}
-        for kind in ("stdout", "stderr", "pty"):
-            if data.get(kind):
-                raw = str(data[kind])
-                return ProcessEvent(
-                    "stderr" if kind == "stderr" else "stdout",
-                    data=base64.b64decode(raw + "=" * (-len(raw) % 4)),
-                )
-        return None
-    if "end" in ev:
-        end = ev["end"] or {}
-        code = end.get("exitCode", end.get("exit_code"))
-        return ProcessEvent(
-            "end",
-            exit_code=int(code) if code is not None else None,
-            status=str(end.get("status") or ""),
-            error=str(end.get("error") or ""),
-        )
-    return None
 
 
 class SandboxProcessError(RuntimeFailure):
@@ -155,21 +111,16 @@ class EnvdRpc:
     ) -> AsyncIterator[ProcessEvent]:
         """Starts a process and yields its events until `end`. Leaving the iteration early
         (or cancelling the consumer) only disconnects: the process keeps running."""
-        proc: dict[str, Any] = {"cmd": cmd, "args": list(args), "envs": dict(envs or {})}
-        if cwd:
-            proc["cwd"] = cwd
         headers = {
-            **_rpc_headers(self.token, user),
-            "Content-Type": "application/connect+json",
+            **auth_headers(self.token, user),
+            **call_headers(stream=True, timeout_ms=int(timeout * 1000) if timeout else None),
         }
-        if timeout:
-            headers["Connect-Timeout-Ms"] = str(int(timeout * 1000))
-        body = _envelope({"process": proc, "stdin": False})
-        buf = bytearray()
+        body = encode_envelope(start_request(cmd, args, envs=envs, cwd=cwd))
+        reader = StreamReader()
         try:
             async with self._http.stream(
                 "POST",
-                f"{self.base}/process.Process/Start",
+                f"{self.base}/{PROCESS_START}",
                 content=body,
                 headers=headers,
                 timeout=httpx.Timeout(10.0, read=None),
@@ -178,24 +129,14 @@ class EnvdRpc:
                     await resp.aread()
                     raise SandboxProcessError(_rpc_error_text(resp))
                 async for chunk in resp.aiter_bytes():
-                    buf += chunk
-                    while len(buf) >= _ENVELOPE.size:
-                        flags, length = _ENVELOPE.unpack_from(buf)
-                        if len(buf) < _ENVELOPE.size + length:
-                            break
-                        payload = bytes(buf[_ENVELOPE.size : _ENVELOPE.size + length])
-                        del buf[: _ENVELOPE.size + length]
-                        obj = json.loads(payload) if payload else {}
-                        if flags & _END_STREAM:
-                            err = obj.get("error") if isinstance(obj, dict) else None
-                            if err:
-                                raise SandboxProcessError(
-                                    f"{err.get('message') or err.get('code')}"
-                                )
-                            return
-                        event = _parse_event(obj) if isinstance(obj, dict) else None
+                    for message in reader.feed(chunk):
+                        event = parse_process_event(message)
                         if event is not None:
                             yield event
+                    if reader.ended:
+                        return
+        except WireError as e:
+            raise SandboxProcessError(str(e)) from e
         except httpx.HTTPError as e:
             raise SandboxProcessError(f"envd process stream failed: {e}") from e
 
@@ -220,10 +161,10 @@ class EnvdRpc:
 
     async def make_dir(self, path: str, *, user: str | None = None) -> bool:
         """mkdir -p (new directories belong to `user`); False when it existed."""
-        resp = await self._unary("filesystem.Filesystem/MakeDir", {"path": path}, user)
+        resp = await self._unary(FILESYSTEM_MAKE_DIR, {"path": path}, user)
         if resp.status_code == 200:
             return True
-        if _connect_code(resp) == "already_exists":
+        if error_code(resp.status_code, resp.content) == "already_exists":
             return False
         raise SandboxProcessError(f"making directory {path}: {_rpc_error_text(resp)}")
 
@@ -236,10 +177,7 @@ class EnvdRpc:
                 f"{self.base}/files",
                 params={"path": path, "username": user},
                 content=content,
-                headers={
-                    **({"X-Access-Token": self.token} if self.token else {}),
-                    "Content-Type": "application/octet-stream",
-                },
+                headers={**auth_headers(self.token), "Content-Type": "application/octet-stream"},
                 timeout=httpx.Timeout(60.0, read=600.0),
             )
         except httpx.HTTPError as e:
@@ -253,7 +191,7 @@ class EnvdRpc:
             resp = await self._http.get(
                 f"{self.base}/files",
                 params={"path": path, "username": user},
-                headers={"X-Access-Token": self.token} if self.token else {},
+                headers=auth_headers(self.token),
             )
         except httpx.HTTPError as e:
             raise SandboxProcessError(f"reading {path} in the sandbox failed: {e}") from e
@@ -270,18 +208,10 @@ class EnvdRpc:
             return await self._http.post(
                 f"{self.base}/{method}",
                 content=json.dumps(message).encode(),
-                headers={**_rpc_headers(self.token, user), "Content-Type": "application/json"},
+                headers={**auth_headers(self.token, user), **call_headers(stream=False)},
             )
         except httpx.HTTPError as e:
             raise SandboxProcessError(f"envd {method} failed: {e}") from e
-
-
-def _connect_code(resp: httpx.Response) -> str:
-    try:
-        body = resp.json()
-    except ValueError:
-        return ""
-    return str(body.get("code") or "") if isinstance(body, dict) else ""
 
 
 def _rpc_error_text(resp: httpx.Response) -> str:
