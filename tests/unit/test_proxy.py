@@ -12,9 +12,6 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import socket
-import statistics
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,14 +19,13 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-import uvicorn
 import websockets
+from tests.helpers import free_port, uvicorn_task
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from aenv.errors import Gone, NotFound
-from aenv.proxy import SandboxRouter
-from aenv.proxy.http import ConnectionPool, HttpForwarder
+from aenv.proxy import ConnectionPool, HttpForwarder, SandboxRouter
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -265,46 +261,10 @@ def make_control(state: ControlState) -> Any:
 # --------------------------------------------------------------------------- servers
 
 
-def _free_socket() -> socket.socket:
-    # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
-    # proto says TCP, and without it every response pays Nagle + delayed-ACK (~40 ms).
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
-def _closed_port() -> int:
-    sock = _free_socket()
-    port = int(sock.getsockname()[1])
-    sock.close()
-    return port
-
-
-@contextlib.asynccontextmanager
-async def serve(app: Any, *, lifespan: str = "off") -> AsyncIterator[int]:
-    sock = _free_socket()
-    port = int(sock.getsockname()[1])
-    config = uvicorn.Config(
-        app,
-        lifespan=lifespan,  # type: ignore[arg-type]
-        log_level="warning",
-        server_header=False,
-        date_header=False,
-        timeout_keep_alive=30,
+def serve(app: Any, *, lifespan: str = "off") -> contextlib.AbstractAsyncContextManager[int]:
+    return uvicorn_task(
+        app, lifespan=lifespan, server_header=False, date_header=False, timeout_keep_alive=30
     )
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
-        sock.close()
 
 
 @dataclass
@@ -330,7 +290,7 @@ async def env() -> AsyncIterator[Env]:
     upstream = UpstreamState()
     control = ControlState()
     resolved: list[tuple[str, int]] = []
-    dead_port = _closed_port()
+    dead_port = free_port()
     async with serve(make_upstream(upstream)) as upstream_port:
 
         async def resolver(sandbox_id: str, port: int) -> tuple[str, int]:
@@ -863,64 +823,3 @@ async def test_websocket_errors(env: Env) -> None:
     assert info.value.response.status_code == 403
     assert info.value.response.body == b"nope"
     assert info.value.response.headers["x-why"] == "policy"
-
-
-# --------------------------------------------------------------------------- overhead
-
-
-class RawClient:
-    """A minimal keep-alive HTTP/1.1 client, so the measurement is mostly the servers."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-
-    @classmethod
-    async def open(cls, port: int) -> RawClient:
-        return cls(*await asyncio.open_connection("127.0.0.1", port))
-
-    async def request(self, raw: bytes) -> bytes:
-        self.writer.write(raw)
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        length = 0
-        for line in head.split(b"\r\n"):
-            if line.lower().startswith(b"content-length:"):
-                length = int(line.split(b":")[1])
-        return head + await self.reader.readexactly(length)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-async def _median_latency(port: int, raw: bytes, n: int) -> float:
-    client = await RawClient.open(port)
-    try:
-        for _ in range(50):
-            await client.request(raw)
-        samples = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            await client.request(raw)
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
-    finally:
-        client.close()
-
-
-async def test_proxy_overhead_small_post(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    """Median added latency of one small unary POST (everything in one event loop here; see
-    bench/proxy_overhead.py for separate processes on uvloop)."""
-    body = b'{"path":"/home/user"}'
-    raw = (
-        b"POST /filesystem.Filesystem/Stat HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-        b"content-type: application/json\r\nconnect-protocol-version: 1\r\n"
-        b"e2b-sandbox-id: sbx1\r\ne2b-sandbox-port: 49983\r\n"
-        b"content-length: %d\r\n\r\n%b" % (len(body), body)
-    )
-    direct = await _median_latency(env.upstream_port, raw, 400)
-    proxied = await _median_latency(env.proxy_port, raw, 400)
-    with capsys.disabled():
-        print(
-            f"\n[proxy overhead] small POST, median of 400: direct {direct * 1e3:.3f} ms, "
-            f"via proxy {proxied * 1e3:.3f} ms, added {(proxied - direct) * 1e3:.3f} ms"
-        )
-    assert proxied - direct < 0.010

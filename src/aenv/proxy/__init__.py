@@ -1,7 +1,8 @@
 """Data plane: route requests to sandbox ports (HTTP streaming both ways, WebSocket)."""
 
 from .dispatch import DEFAULT_PORT, Resolver, Route, SandboxRouter
-from .http import ConnectionPool, HttpForwarder
+from .http import HttpForwarder
+from .pool import ConnectionPool
 from .ws import WebSocketForwarder
 
 __all__ = [

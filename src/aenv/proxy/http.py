@@ -5,11 +5,9 @@ separate processes on uvloop (bench/proxy_overhead.py) it adds about 0.15 ms (p5
 Connect unary POST, where the same router with a streaming httpx.AsyncClient forwarder added
 about 1.2 ms (p50; p99 over 10 ms) and served a small fraction of the throughput. What it does:
 
-- One keep-alive pool shared by all requests, keyed by (sandbox id, host, port) so a recycled
-  sandbox address never inherits a connection opened for another sandbox. Idle connections
-  live `idle_timeout` seconds, below the usual server keep-alive (uvicorn's is 5 s). A request
-  that finds a reused connection closed before any response byte goes again, once, on a fresh
-  connection, if what was written so far is small enough to have been kept (64 KiB).
+- One keep-alive pool shared by all requests (pool.py). A request that finds a reused
+  connection closed before any response byte goes again, once, on a fresh connection, if
+  what was written so far is small enough to have been kept (64 KiB).
 - The request body is forwarded as it arrives: `Content-Length` bodies as they are, anything
   else as `Transfer-Encoding: chunked`, one chunk per ASGI message; a chunked request is sent
   upstream before its body starts, in case the client waits for the response first. The
@@ -28,18 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from ._common import Headers, Message, Receive, Scope, Send, Target, end_to_end, send_json
+from .pool import Connection, ConnectionPool
 
 log = logging.getLogger(__name__)
-
-PoolKey = tuple[str, str, int]
 
 _REQUEST_DROP = frozenset({b"content-length", b"expect"})
 _NO_DROP: frozenset[bytes] = frozenset()
 _READ_SIZE = 1 << 16
-_HEAD_LIMIT = 1 << 17  # max bytes of a response head (status line + headers)
 _REPLAY_LIMIT = 1 << 16  # request bytes kept for a retry on a fresh connection
 
 
@@ -49,106 +44,6 @@ class UpstreamProtocolError(Exception):
 
 class _Retry(Exception):
     """A reused connection was dead before it answered; the request may go again."""
-
-
-class _Connection:
-    __slots__ = ("key", "reader", "writer", "reused", "idle_since")
-
-    def __init__(self, key: PoolKey, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.key = key
-        self.reader = reader
-        self.writer = writer
-        self.reused = False
-        self.idle_since = 0.0
-
-    def usable(self) -> bool:
-        # Bytes arriving on an idle connection (a 408, garbage) make it unusable too.
-        pending = getattr(self.reader, "_buffer", None)
-        return not (self.reader.at_eof() or self.writer.transport.is_closing() or pending)
-
-    def close(self) -> None:
-        self.writer.transport.close()
-
-    def abort(self) -> None:
-        self.writer.transport.abort()
-
-
-class ConnectionPool:
-    """Keep-alive connections to sandbox ports."""
-
-    def __init__(
-        self,
-        *,
-        connect_timeout: float = 5.0,
-        idle_timeout: float = 4.0,
-        max_idle_per_key: int = 32,
-    ) -> None:
-        self.connect_timeout = connect_timeout
-        self.idle_timeout = idle_timeout
-        self.max_idle_per_key = max_idle_per_key
-        self._idle: dict[PoolKey, list[_Connection]] = {}
-        self._last_sweep = time.monotonic()
-
-    async def acquire(
-        self, key: PoolKey, host: str, port: int, *, fresh: bool = False
-    ) -> _Connection:
-        if not fresh:
-            idle = self._idle.get(key)
-            if idle:
-                now = time.monotonic()
-                while idle:
-                    conn = idle.pop()
-                    if now - conn.idle_since < self.idle_timeout and conn.usable():
-                        conn.reused = True
-                        return conn
-                    conn.close()
-        async with asyncio.timeout(self.connect_timeout):
-            reader, writer = await asyncio.open_connection(host, port, limit=_HEAD_LIMIT)
-        return _Connection(key, reader, writer)
-
-    def release(self, conn: _Connection) -> None:
-        if not conn.usable():
-            conn.close()
-            return
-        now = time.monotonic()
-        idle = self._idle.setdefault(conn.key, [])
-        if len(idle) >= self.max_idle_per_key:
-            conn.close()
-        else:
-            conn.idle_since = now
-            idle.append(conn)
-        if now - self._last_sweep > self.idle_timeout:
-            self._sweep(now)
-
-    def _sweep(self, now: float) -> None:
-        self._last_sweep = now
-        for key in list(self._idle):
-            keep = []
-            for conn in self._idle[key]:
-                if now - conn.idle_since < self.idle_timeout and conn.usable():
-                    keep.append(conn)
-                else:
-                    conn.close()
-            if keep:
-                self._idle[key] = keep
-            else:
-                del self._idle[key]
-
-    def drop(self, sandbox_id: str) -> None:
-        """Close idle connections to one sandbox (call on pause/kill)."""
-        for key in [k for k in self._idle if k[0] == sandbox_id]:
-            for conn in self._idle.pop(key):
-                conn.close()
-
-    def idle_count(self, sandbox_id: str | None = None) -> int:
-        return sum(len(v) for k, v in self._idle.items() if sandbox_id in (None, k[0]))
-
-    async def aclose(self) -> None:
-        idle, self._idle = self._idle, {}
-        for conns in idle.values():
-            for conn in conns:
-                conn.close()
-        await asyncio.sleep(0)
 
 
 def _describe(exc: BaseException) -> str:
@@ -212,7 +107,7 @@ class _Exchange:
         self.receive = receive
         self.send = send
         self.target = target
-        self.conn: _Connection | None = None
+        self.conn: Connection | None = None
         self.owned = True  # False once the connection went back to the pool
         self.client_gone = False
         self.chunked_body = False
@@ -409,7 +304,7 @@ class _Exchange:
         parts += (framing, b"\r\n")
         return b"".join(parts)
 
-    async def _read_head(self, conn: _Connection) -> tuple[bytes, int, Headers]:
+    async def _read_head(self, conn: Connection) -> tuple[bytes, int, Headers]:
         reader = conn.reader
         first = True
         while True:
@@ -443,7 +338,7 @@ class _Exchange:
         await send_json(self.send, 502, self.target.unreachable(reason))
 
     async def _relay_response(
-        self, conn: _Connection, version: bytes, status: int, raw_headers: Headers
+        self, conn: Connection, version: bytes, status: int, raw_headers: Headers
     ) -> None:
         chunked = False
         length: int | None = None
@@ -525,7 +420,7 @@ class _Exchange:
                 )
 
     async def _relay_chunked(
-        self, conn: _Connection, reader: asyncio.StreamReader, keep_alive: bool
+        self, conn: Connection, reader: asyncio.StreamReader, keep_alive: bool
     ) -> None:
         while True:
             line = await reader.readuntil(b"\r\n")
@@ -545,7 +440,7 @@ class _Exchange:
             if await reader.readexactly(2) != b"\r\n":
                 raise UpstreamProtocolError("bad chunk terminator")
 
-    async def _finish(self, conn: _Connection, keep_alive: bool, last: bytes) -> None:
+    async def _finish(self, conn: Connection, keep_alive: bool, last: bytes) -> None:
         """The upstream response is complete: settle the connection, then end the client's."""
         if self.client_gone:
             return

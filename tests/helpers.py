@@ -1,0 +1,140 @@
+"""Helpers every test suite shares (unit, integration): loopback ports, waiting for a
+condition, serving an ASGI app with uvicorn. Imported as `tests.helpers` (pytest runs from
+the repository root, and `tests/` is a package).
+
+Waits poll a condition until a deadline, which only bounds how long a broken run hangs: no
+test asserts how fast something happened (timing goals live in bench/).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import uvicorn
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+
+T = TypeVar("T")
+
+
+def loopback_socket() -> socket.socket:
+    """A TCP socket bound to a free port on 127.0.0.1, for a server to listen on.
+
+    proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on accepted sockets whose proto
+    says TCP, and without it every small response pays Nagle + delayed ACK (~40 ms)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (a server may take it, or a test may
+    count on a refused connection)."""
+    with loopback_socket() as sock:
+        return int(sock.getsockname()[1])
+
+
+def wait_until(
+    condition: Callable[[], T], timeout: float = 10.0, interval: float = 0.02, what: str = ""
+) -> T:
+    """The first truthy value of `condition()`, polled every `interval` seconds; an
+    AssertionError naming `what` when none came within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what or condition}")
+        time.sleep(interval)
+
+
+async def async_wait_until(
+    condition: Callable[[], T | Awaitable[T]],
+    timeout: float = 10.0,
+    interval: float = 0.01,
+    what: str = "",
+) -> T:
+    """`wait_until` on the event loop; `condition` may be a coroutine function."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if isinstance(value, Awaitable):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what or condition}")
+        await asyncio.sleep(interval)
+
+
+def wait_healthy(
+    url: str,
+    timeout: float = 10.0,
+    proc: subprocess.Popen[Any] | None = None,
+    path: str = "/health",
+) -> None:
+    """Until `url + path` answers 204 (envd, the aenv server). With `proc`: an
+    AssertionError as soon as that process exits instead of waiting out the timeout."""
+
+    def healthy() -> bool:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{url}: the server exited with {proc.returncode}")
+        try:
+            return httpx.get(url + path, timeout=1).status_code == 204
+        except httpx.HTTPError:
+            return False
+
+    wait_until(healthy, timeout, 0.05, f"{url}{path} to answer 204")
+
+
+@contextlib.contextmanager
+def uvicorn_thread(app: Any, **config: Any) -> Iterator[str]:
+    """`app` served by uvicorn in a thread on a free loopback port; yields its base URL."""
+    sock = loopback_socket()
+    port = int(sock.getsockname()[1])
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **config))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started or not thread.is_alive(), what="uvicorn to start")
+        assert server.started, "uvicorn did not start"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@contextlib.asynccontextmanager
+async def uvicorn_task(app: Any, **config: Any) -> AsyncIterator[int]:
+    """`app` served by uvicorn on the running event loop, on a free loopback port; yields
+    the port."""
+    sock = loopback_socket()
+    port = int(sock.getsockname()[1])
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **config))
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+
+    def started() -> bool:
+        if task.done():
+            task.result()  # uvicorn failed: its error, not a timeout
+        return bool(server.started)
+
+    try:
+        await async_wait_until(started, what="uvicorn to start")
+        yield port
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+        sock.close()
