@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import quote
 
+from aenv.domain import ENVD_PORT
 from aenv.errors import AenvError, BadRequest, GatewayTimeout, InternalError
 
 from ._common import (
@@ -45,7 +46,7 @@ from .ws import WebSocketForwarder
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 49983
+DEFAULT_PORT = ENVD_PORT
 Resolver = Callable[[str, int], Awaitable[tuple[str, int]]]
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
