@@ -46,11 +46,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..config import Settings
+from ..domain import ENVD_PORT
 from ..errors import AenvError
 from .base import Mount
 
 MOUNT = "/opt/aenv"
-DEFAULT_PORT = 49983
+DEFAULT_PORT = ENVD_PORT
 APP_PACKAGE = "aenv_envd"
 # Bump when the layout or the trimming rules change.
 BUNDLE_FORMAT = 1
