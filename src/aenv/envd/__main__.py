@@ -24,6 +24,8 @@ USAGE = "usage: python -m aenv_envd [--host HOST] [--port PORT]\n"
 
 def parse_args(argv: list[str]) -> tuple[str, int]:
     host = os.environ.get("AENV_ENVD_HOST", "0.0.0.0")
+    # A literal, not aenv.domain.ENVD_PORT: this agent is stdlib-only and shipped into the
+    # sandbox without the rest of aenv.
     port_s = os.environ.get("AENV_ENVD_PORT", "49983")
     i = 0
     while i < len(argv):
