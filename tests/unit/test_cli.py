@@ -711,7 +711,7 @@ def test_template_build_base_progress_quiet_and_errors(
     cli: CliRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from aenv.errors import AenvError
-    from aenv.images import base
+    from aenv.builds import base
 
     seen: list[Any] = []
 

@@ -557,7 +557,7 @@ def template_build_base(
     ] = False,
 ) -> None:
     """Build the default template `base` (Debian, debootstrap) on this machine."""
-    from ..images.base import build_base
+    from ..builds.base import build_base
 
     settings = _state(ctx).settings()
     if quiet:

@@ -1,20 +1,12 @@
-"""The default template `base`: a Debian bookworm rootfs built with debootstrap.
-
-`build_base(settings)` makes sure template `base` exists in `settings`' catalog with its one
-layer in the layer store. The expensive part (debootstrap, ~1 min) runs once per machine and
-recipe: the finished rootfs is kept in a machine-wide cache (`/var/cache/aenv/base-<recipe>/`,
-override with `$AENV_CACHE_DIR`) and every `$AENV_HOME` imports it with hard links (`cp -al`),
-which takes well under a second. Layers are read-only, so sharing inodes with the cache is
-safe; deleting the cache does not affect imported layers.
-
-The function knows nothing about the CLI: it reports progress through an optional callback
-`progress(stage, detail)`; `aenv.images.cli_hooks.build_base_command` renders it with rich.
+"""The rootfs of template `base`: a Debian bookworm built with debootstrap from a recipe
+(suite, packages, user, the sudo shim), configured for sandboxes, and kept in a machine-wide
+cache (`/var/cache/aenv/base-<recipe>/`, override with `$AENV_CACHE_DIR`): debootstrap
+(~1 min) runs once per machine and recipe. Registering it as a template: `base.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -30,11 +22,8 @@ from typing import Any
 from ..config import Settings
 from ..envd.sudo import SHIM_SCRIPT as SUDO_SHIM
 from ..errors import AenvError
-from ..orchestrator.catalog import Catalog
-from .layers import LayerStore, tree_digest
-
-TEMPLATE_ID = "base"
-TEMPLATE_NAME = "base"
+from ..fsutil import flock
+from ..images.layers import tree_digest
 
 SUITE = "bookworm"
 VARIANT = "minbase"
@@ -167,17 +156,6 @@ def mirrors(settings: Settings) -> tuple[str, str]:
 
 
 # --- the machine-wide cache -----------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def _mounts_under(path: Path) -> list[str]:
@@ -404,7 +382,7 @@ def ensure_cached_rootfs(
     rh = recipe_hash()
     final = cache / f"base-{rh}"
     meta_path = final / "meta.json"
-    with _flock(cache / f"base-{rh}.lock"):
+    with flock(cache / f"base-{rh}.lock"):
         if not force and meta_path.is_file() and (final / "rootfs").is_dir():
             return final / "rootfs", json.loads(meta_path.read_text())
         # Leftovers of interrupted builds of this recipe (we hold the lock: they are stale).
@@ -449,103 +427,3 @@ def ensure_cached_rootfs(
             _remove_build_dir(work)
             raise
     return final / "rootfs", meta
-
-
-# --- the template ---------------------------------------------------------------------------
-
-
-def template_doc(
-    settings: Settings, layers: list[str], cache_meta: dict[str, Any]
-) -> dict[str, Any]:
-    """The catalog document of template `base` (the shape the orchestrator reads)."""
-    return {
-        "kind": "image",
-        "layers": layers,  # topmost first
-        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "env": {"PATH": PATH, "LANG": "C.UTF-8"},
-        "workdir": f"/home/{USER_NAME}",
-        "user": USER_NAME,
-        "cpu_count": settings.default_cpu_count,
-        "memory_mb": settings.default_memory_mb,
-        "source": f"debootstrap {VARIANT} {SUITE}",
-        "recipe_hash": cache_meta.get("recipe_hash", recipe_hash()),
-        "size": cache_meta.get("size"),
-    }
-
-
-def base_is_current(settings: Settings, catalog: Catalog | None = None) -> list[str] | None:
-    """The layers of template `base` if it is registered, its layers exist and it was built
-    from the current recipe; None otherwise. Cheap (one SQLite read, a few stats)."""
-    if not settings.catalog_path.exists():
-        return None
-    own = catalog is None
-    cat = catalog or Catalog(settings.catalog_path)
-    try:
-        found = cat.template(TEMPLATE_ID)
-    finally:
-        if own:
-            cat.close()
-    if not found:
-        return None
-    _tid, doc, _names = found
-    layers = list(doc.get("layers") or [])
-    if not layers or doc.get("recipe_hash") != recipe_hash():
-        return None
-    store = LayerStore(settings)
-    if not all(store.has(d) for d in layers):
-        return None
-    return layers
-
-
-def build_base(
-    settings: Settings,
-    *,
-    force: bool = False,
-    progress: ProgressFn | None = None,
-    cache_dir: Path | None = None,
-) -> list[str]:
-    """Makes sure template `base` exists; returns its layer digests (topmost first).
-
-    Idempotent: when `base` is registered from the current recipe and its layers are in the
-    store, returns at once. Otherwise imports the machine-wide cached rootfs (building it
-    with debootstrap first when missing) into the layer store and registers the template.
-    `force` rebuilds everything, debootstrap included (downloaded .debs stay cached).
-    """
-    if not force:
-        layers = base_is_current(settings)
-        if layers:
-            if progress:
-                progress("done", "template base is up to date")
-            return layers
-    if os.geteuid() != 0:
-        raise BaseBuildError("building the base template needs root (debootstrap, chroot)")
-    settings.home.mkdir(parents=True, exist_ok=True)
-    store = LayerStore(settings)
-    store.root.mkdir(parents=True, exist_ok=True)
-    with _flock(store.root / ".base.lock"):
-        if not force:
-            layers = base_is_current(settings)
-            if layers:
-                return layers
-        if progress:
-            progress("cache", f"machine cache {cache_dir or cache_root()}")
-        rootfs, meta = ensure_cached_rootfs(
-            settings, force=force, progress=progress, cache_dir=cache_dir
-        )
-        if progress:
-            progress("import", f"{meta['digest']} into {store.root}")
-        digest = store.add_dir(
-            rootfs,
-            digest=meta["digest"],
-            mode="link",
-            source=f"debootstrap {VARIANT} {SUITE} (recipe {meta.get('recipe_hash', '?')})",
-        )
-        layers = [digest]
-        catalog = Catalog(settings.catalog_path)
-        try:
-            catalog.put_template(TEMPLATE_ID, template_doc(settings, layers, meta), [TEMPLATE_NAME])
-        finally:
-            catalog.close()
-        if progress:
-            progress("done", f"template base = {digest}")
-        return layers
