@@ -27,6 +27,7 @@ from aenv.config import Settings
 from aenv.errors import RuntimeFailure
 from aenv.runtime.base import Instance, SandboxSpec
 from aenv.runtime.gvisor import GVisorRuntime
+from aenv.runtime.gvisor.container import Container
 from aenv.runtime.network import SlotAddressing
 from aenv.runtime.rootfs import mount_points
 
@@ -114,6 +115,11 @@ def upper_layer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+def rec(inst: Instance) -> Container:
+    """The gVisor record behind a handle (its slot, bundle dir, rootfs key...)."""
+    return Container.of(inst)
+
+
 def spec(layers: list[Path], sandbox_id: str, **kw: object) -> SandboxSpec:
     s = SandboxSpec(sandbox_id=sandbox_id, layers=layers, args=INIT, memory_mb=256, cpu_count=1)
     for k, v in kw.items():
@@ -124,7 +130,7 @@ def spec(layers: list[Path], sandbox_id: str, **kw: object) -> SandboxSpec:
 # Host inspection and cleanup -----------------------------------------------------------------
 
 
-def host_traces(settings: Settings) -> dict[str, object]:
+def host_traces(settings: Settings) -> dict[str, list[str]]:
     """Everything of this prefix/home still on the host."""
     addr = SlotAddressing.from_settings(settings)
     netns = (
@@ -231,7 +237,7 @@ async def wait_http(inst: Instance, limit: float = 15.0) -> float:
     t0 = time.perf_counter()
     while not await _http_ok(inst.address, 0.5):
         if time.perf_counter() - t0 > limit:
-            raise TimeoutError(f"{inst.container_id} at {inst.address} does not answer")
+            raise TimeoutError(f"{inst.id} at {inst.address} does not answer")
         await asyncio.sleep(0.01)
     return time.perf_counter() - t0
 
@@ -376,7 +382,7 @@ async def test_create_serves_http(runtime: GVisorRuntime, rootfs: Path) -> None:
     try:
         timed("create -> HTTP answers", time.perf_counter() - t0)
         TIMINGS["create -> HTTP answers"][-1] += await wait_http(inst) * 1000
-        assert inst.address == SlotAddressing(PREFIX, CIDR).router_ip(inst.slot)
+        assert inst.address == SlotAddressing(PREFIX, CIDR).router_ip(rec(inst).slot)
         assert "hello from aenv" in await get(inst)
         assert await runtime.alive(inst)
         out = await sh(inst, "ifconfig eth0; hostname; id -u")
@@ -401,7 +407,7 @@ async def test_sandboxes_are_isolated_from_each_other(runtime: GVisorRuntime, ro
     )
     try:
         await asyncio.gather(wait_http(a), wait_http(b))
-        assert a.address != b.address and a.slot != b.slot
+        assert a.address != b.address and rec(a).slot != rec(b).slot
         await sh(a, "echo secret-a > /tmp/secret; echo rootfs-a > /etc/secret")
         out = await sh(b, "cat /tmp/secret /etc/secret; echo end")
         assert "secret-a" not in out and "rootfs-a" not in out
@@ -411,13 +417,13 @@ async def test_sandboxes_are_isolated_from_each_other(runtime: GVisorRuntime, ro
             [
                 ("127.0.0.1", PORT),  # its own httpd: the probe itself works
                 (b.address, PORT),  # the other sandbox's address
-                (addr.host_ip(b.slot), PORT),  # the host side of the other's slot
+                (addr.host_ip(rec(b).slot), PORT),  # the host side of the other's slot
             ],
         )
         assert res == {
             ("127.0.0.1", PORT): True,
             (b.address, PORT): False,
-            (addr.host_ip(b.slot), PORT): False,
+            (addr.host_ip(rec(b).slot), PORT): False,
         }
         # The node still reaches both.
         assert "hello" in await get(a) and "hello" in await get(b)
@@ -436,7 +442,7 @@ async def test_sandbox_cannot_reach_host_services(
     try:
         await wait_http(inst)
         addr = SlotAddressing(PREFIX, CIDR)
-        own_host_ip = addr.host_ip(inst.slot)
+        own_host_ip = addr.host_ip(rec(inst).slot)
         targets = [(own_host_ip, public_port), (own_host_ip, local_port)]
         targets += [(ip, public_port) for ip in host_addresses()]
         targets += [("127.0.0.1", local_port), (ext_server[0], ext_server[1])]
@@ -563,7 +569,7 @@ async def test_destroy_leaves_nothing(
     settings = runtime.settings
     inst = await runtime.create(spec([upper_layer, rootfs], "gone"))
     await wait_http(inst)
-    key = inst.extra["rootfs_key"]
+    key = rec(inst).rootfs_key
     assert key and (settings.home / "mnt" / key) in mount_points(settings.home)
     t0 = time.perf_counter()
     await runtime.destroy(inst)
@@ -574,11 +580,11 @@ async def test_destroy_leaves_nothing(
     timed("destroy (background part)", time.perf_counter() - t0)
     await runtime.destroy(inst)  # idempotent
     await runtime.wait_idle()
-    assert slot_traces(settings, inst.slot) == [] or inst.slot in _pool_slots(runtime)
-    assert inst.container_id not in host_traces(settings)["containers"]
-    assert not inst.bundle_dir.exists()
+    assert slot_traces(settings, rec(inst).slot) == [] or rec(inst).slot in _pool_slots(runtime)
+    assert inst.id not in host_traces(settings)["containers"]
+    assert not rec(inst).bundle_dir.exists()
     assert (settings.home / "mnt" / key) not in mount_points(settings.home)
-    assert not cgroups_of(inst.container_id)
+    assert not cgroups_of(inst.id)
 
 
 def _pool_slots(rt: GVisorRuntime) -> set[int]:
@@ -596,8 +602,8 @@ async def test_layer_stack_is_shared_and_read_only(
     )
     try:
         await asyncio.gather(wait_http(a), wait_http(b))
-        assert a.extra["rootfs_key"] == b.extra["rootfs_key"]
-        mnt = settings.home / "mnt" / a.extra["rootfs_key"]
+        assert rec(a).rootfs_key == rec(b).rootfs_key
+        mnt = settings.home / "mnt" / rec(a).rootfs_key
         assert mount_points(settings.home).count(mnt) == 1
         assert "upper layer" in await get(a, "/www/extra.html")
         assert "hello" in await get(a, "/www/index.html")
@@ -621,7 +627,7 @@ async def test_cgroup_limits(runtime: GVisorRuntime, rootfs: Path) -> None:
     other = await runtime.create(spec([rootfs], "bystander"))
     try:
         await asyncio.gather(wait_http(inst), wait_http(other))
-        cg = f"{PREFIX}/{inst.container_id}"
+        cg = f"{PREFIX}/{inst.id}"
         mem = Path("/sys/fs/cgroup/memory", cg)
         cpu = Path("/sys/fs/cgroup/cpu", cg)
         assert int((mem / "memory.limit_in_bytes").read_text()) == 128 * MiB
@@ -705,7 +711,7 @@ async def test_concurrent_creates(runtime: GVisorRuntime, rootfs: Path) -> None:
         await asyncio.gather(*(wait_http(i) for i in insts))
         timed("4 concurrent creates -> HTTP", time.perf_counter() - t0)
         assert len({i.address for i in insts}) == 4
-        assert len({i.slot for i in insts}) == 4
+        assert len({rec(i).slot for i in insts}) == 4
     finally:
         await asyncio.gather(*(runtime.destroy(i) for i in insts))
 
@@ -773,10 +779,10 @@ async def test_upper_overlay_writes_land_in_upper(
     inst = await runtime.create(rw_spec([upper_layer, rootfs], "rw", upper))
     try:
         await wait_http(inst)
-        mnt = inst.bundle_dir / "rootfs"
+        mnt = rec(inst).bundle_dir / "rootfs"
         assert mnt in mount_points(runtime.settings.home)
-        assert (tmp_path / "uppers" / f"work-{inst.container_id}").is_dir()
-        assert inst.extra["overlay"] == "none"
+        assert (tmp_path / "uppers" / f"work-{inst.id}").is_dir()
+        assert rec(inst).overlay == "none"
         await sh(
             inst,
             "dd if=/dev/zero of=/root/big bs=1M count=32 2>/dev/null; echo new > /newfile; "
@@ -801,7 +807,7 @@ async def test_upper_overlay_writes_land_in_upper(
     await runtime.wait_idle()
     assert mnt not in mount_points(runtime.settings.home)
     assert work_dirs(tmp_path) == []
-    assert not inst.bundle_dir.exists()
+    assert not rec(inst).bundle_dir.exists()
     # The upper dir belongs to the caller: kept, with its content.
     assert file_mib(upper / "root" / "big") == 32
 
@@ -844,7 +850,7 @@ async def _restack(
         assert file_mib(u0 / "root" / "big") == big_mb
         await asyncio.sleep(0.3)
         image = tmp_path / "image"
-        slot, cid, address = parent.slot, parent.container_id, parent.address
+        slot, cid, address = rec(parent).slot, parent.id, parent.address
 
         t0 = time.perf_counter()
         await runtime.checkpoint(parent, image, leave_running=False)
@@ -852,7 +858,7 @@ async def _restack(
         await runtime.stop(parent)
         t2 = time.perf_counter()
         assert runtime.is_stopped(parent) and not await runtime.alive(parent)
-        assert parent.bundle_dir / "rootfs" not in mount_points(runtime.settings.home)
+        assert rec(parent).bundle_dir / "rootfs" not in mount_points(runtime.settings.home)
         assert work_dirs(tmp_path) == []
         assert slot_traces(runtime.settings, slot) != []  # the slot is kept
         at_checkpoint = host_counter(u0, wait=False)
@@ -879,8 +885,8 @@ async def _restack(
         # Same sandbox, same place: address and slot. The container id is new: the old
         # container's `runsc delete` was left out of the stop and happens now, in the
         # background.
-        assert (restored.address, restored.slot) == (address, slot)
-        assert restored.container_id != cid and restored.container_id.startswith(f"rs{tag}-")
+        assert (restored.address, rec(restored).slot) == (address, slot)
+        assert restored.id != cid and restored.id.startswith(f"rs{tag}-")
         deadline = time.monotonic() + 30
         while runtime.runsc.sandbox_state_file(cid) is not None:
             assert time.monotonic() < deadline, "the old container was never deleted"
@@ -1010,7 +1016,7 @@ async def test_stop_running_keeps_files_and_address(
         again = await runtime.create(rw_spec([rootfs], "nomem", upper), reuse=inst)
         await wait_http(again)
         timed("create (reuse) -> HTTP", time.perf_counter() - t0)
-        assert (again.address, again.container_id) == (inst.address, inst.container_id)
+        assert (again.address, again.id) == (inst.address, inst.id)
         # Files kept; memory (and gVisor's tmpfs /tmp) not: a fresh boot.
         out = await sh(again, "cat /root/kept; cat /tmp/gone 2>&1")
         assert "kept" in out and "No such file" in out
@@ -1019,7 +1025,9 @@ async def test_stop_running_keeps_files_and_address(
     finally:
         await runtime.destroy(again or inst)
     await runtime.wait_idle()
-    assert slot_traces(runtime.settings, inst.slot) == [] or inst.slot in _pool_slots(runtime)
+    assert slot_traces(runtime.settings, rec(inst).slot) == [] or rec(inst).slot in _pool_slots(
+        runtime
+    )
     assert mount_points(runtime.settings.sandboxes_dir) == []
     assert (upper / "root" / "kept").exists()
 
@@ -1032,13 +1040,15 @@ async def test_stopped_destroy_releases_slot(
     await wait_http(inst)
     await runtime.checkpoint(inst, tmp_path / "img", leave_running=False)
     await runtime.stop(inst)
-    assert slot_traces(runtime.settings, inst.slot) != []
-    assert inst.bundle_dir.is_dir()
+    assert slot_traces(runtime.settings, rec(inst).slot) != []
+    assert rec(inst).bundle_dir.is_dir()
     await runtime.destroy(inst)
     await runtime.wait_idle()
-    assert slot_traces(runtime.settings, inst.slot) == [] or inst.slot in _pool_slots(runtime)
-    assert not inst.bundle_dir.exists()
-    assert inst.container_id not in host_traces(runtime.settings)["containers"]
+    assert slot_traces(runtime.settings, rec(inst).slot) == [] or rec(inst).slot in _pool_slots(
+        runtime
+    )
+    assert not rec(inst).bundle_dir.exists()
+    assert inst.id not in host_traces(runtime.settings)["containers"]
 
 
 async def test_failed_restore_keeps_stopped_slot(
@@ -1058,7 +1068,7 @@ async def test_failed_restore_keeps_stopped_slot(
             )
         await runtime.wait_idle()
         # Still stopped, slot kept, nothing mounted: the caller can retry.
-        assert runtime.is_stopped(inst) and slot_traces(runtime.settings, inst.slot) != []
+        assert runtime.is_stopped(inst) and slot_traces(runtime.settings, rec(inst).slot) != []
         assert mount_points(runtime.settings.sandboxes_dir) == []
         assert work_dirs(tmp_path) == []
         sealed = tmp_path / "s1"
@@ -1089,14 +1099,14 @@ async def test_reuse_falls_back_to_a_new_container_id(
         monkeypatch.setattr(
             runtime.runsc,
             "sandbox_state_file",
-            lambda cid: taken if cid == inst.container_id else real(cid),
+            lambda cid: taken if cid == inst.id else real(cid),
         )
         again = await runtime.create(rw_spec([rootfs], "newid", upper), reuse=inst)
         await wait_http(again)
-        assert again.container_id != inst.container_id
-        assert (again.address, again.slot) == (inst.address, inst.slot)
+        assert again.id != inst.id
+        assert (again.address, rec(again).slot) == (inst.address, rec(inst).slot)
         await runtime.wait_idle()
-        assert not inst.bundle_dir.exists() and again.bundle_dir.is_dir()
+        assert not rec(inst).bundle_dir.exists() and rec(again).bundle_dir.is_dir()
     finally:
         monkeypatch.undo()
         await runtime.destroy(again or inst)
@@ -1186,22 +1196,28 @@ async def test_reconcile_after_crash(
         del rt1
 
         rt2 = GVisorRuntime(settings)
-        recovered = await rt2.start({keep.container_id, "ghost-0000"})
-        assert set(recovered) == {keep.container_id}
-        rec = recovered[keep.container_id]
-        assert (rec.address, rec.slot, rec.bundle_dir) == (keep.address, keep.slot, keep.bundle_dir)
-        assert await rt2.alive(rec)
-        assert "state" in await sh(rec, "cat /tmp/state")
+        recovered = await rt2.start({keep.id, "ghost-0000"})
+        assert set(recovered) == {keep.id}
+        back = recovered[keep.id]
+        assert (back.address, rec(back).slot, rec(back).bundle_dir) == (
+            keep.address,
+            rec(keep).slot,
+            rec(keep).bundle_dir,
+        )
+        assert await rt2.alive(back)
+        assert "state" in await sh(back, "cat /tmp/state")
         assert not await rt2.alive(drop)
         await rt2.close()  # the pool's slots go; the recovered sandbox stays
         traces = host_traces(settings)
-        assert traces["containers"] == [keep.container_id]
+        assert traces["containers"] == [keep.id]
         addr = SlotAddressing.from_settings(settings)
-        assert traces["netns"] == sorted([addr.router_ns(keep.slot), addr.inner_ns(keep.slot)])
-        assert traces["links"] == [addr.host_if(keep.slot)]
-        assert not drop.bundle_dir.exists() and keep.bundle_dir.exists()
+        assert traces["netns"] == sorted(
+            [addr.router_ns(rec(keep).slot), addr.inner_ns(rec(keep).slot)]
+        )
+        assert traces["links"] == [addr.host_if(rec(keep).slot)]
+        assert not rec(drop).bundle_dir.exists() and rec(keep).bundle_dir.exists()
         mnt = settings.home / "mnt"
-        assert traces["mounts"] == [str(mnt / keep.extra["rootfs_key"])]
+        assert traces["mounts"] == [str(mnt / rec(keep).rootfs_key)]
         _crash(rt2)
         del rt2
 
@@ -1220,10 +1236,10 @@ async def test_reconcile_after_crash(
         await wait_http(inst)
         _crash(rt4)
         rt5 = GVisorRuntime(settings)
-        rec5 = await rt5.start({inst.container_id})
-        await rt5.destroy(rec5[inst.container_id])
+        rec5 = await rt5.start({inst.id})
+        await rt5.destroy(rec5[inst.id])
         await rt5.close()
-        assert slot_traces(settings, inst.slot) == []
+        assert slot_traces(settings, rec(inst).slot) == []
         assert host_traces(settings)["containers"] == []
     finally:
         await GVisorRuntime(settings).purge()
@@ -1257,23 +1273,23 @@ async def test_reconcile_with_overlays(
         del rt1
 
         rt2 = GVisorRuntime(settings)
-        recovered = await rt2.start({a.container_id, c.container_id})
-        assert set(recovered) == {a.container_id, c.container_id}
-        ra, rc = recovered[a.container_id], recovered[c.container_id]
+        recovered = await rt2.start({a.id, c.id})
+        assert set(recovered) == {a.id, c.id}
+        ra, rc = recovered[a.id], recovered[c.id]
         assert not rt2.is_stopped(ra) and rt2.is_stopped(rc)
         assert await rt2.alive(ra) and not await rt2.alive(rc)
         # a: still on its mounted overlay, writing to its upper.
-        assert ra.bundle_dir / "rootfs" in mount_points(settings.home)
+        assert rec(ra).bundle_dir / "rootfs" in mount_points(settings.home)
         await sh(ra, "echo after > /root/after")
         assert (ua / "root" / "after").read_text() == "after\n"
         # b: container, mount and work dir gone; its upper stays.
-        assert b.container_id not in host_traces(settings)["containers"]
-        assert b.bundle_dir / "rootfs" not in mount_points(settings.home)
-        assert not (tmp_path / "uppers" / f"work-{b.container_id}").exists()
+        assert b.id not in host_traces(settings)["containers"]
+        assert rec(b).bundle_dir / "rootfs" not in mount_points(settings.home)
+        assert not (tmp_path / "uppers" / f"work-{b.id}").exists()
         assert (ub / "root" / "mine").read_text() == "rco-b\n"
-        assert slot_traces(settings, b.slot) == [] or b.slot in _pool_slots(rt2)
+        assert slot_traces(settings, rec(b).slot) == [] or rec(b).slot in _pool_slots(rt2)
         # c: restored into its kept slot on a sealed stack.
-        assert slot_traces(settings, c.slot) != []
+        assert slot_traces(settings, rec(c).slot) != []
         sealed = tmp_path / "sealed-c"
         os.rename(uc, sealed)
         rc2 = await rt2.restore(
@@ -1282,7 +1298,7 @@ async def test_reconcile_with_overlays(
             reuse=rc,
         )
         await wait_http(rc2)
-        assert (rc2.address, rc2.container_id) == (c.address, c.container_id)
+        assert (rc2.address, rc2.id) == (c.address, c.id)
         assert "rco-c" in await sh(rc2, "cat /root/mine")
         await asyncio.gather(rt2.destroy(ra), rt2.destroy(rc2))
         await rt2.close()
