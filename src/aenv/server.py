@@ -8,9 +8,9 @@ import sys
 import uvicorn
 
 from .config import Settings
+from .orchestrator import Orchestrator
 from .orchestrator.catalog import Catalog
 from .orchestrator.durable import Durable
-from .orchestrator.lifecycle import Orchestrator
 from .orchestrator.storage import SandboxStorage
 from .snapshots import SnapshotStore, open_repository
 
@@ -29,7 +29,9 @@ def build_orchestrator(settings: Settings) -> Orchestrator:
     runtime = GVisorRuntime(settings)
     storage = SandboxStorage(settings, layers)
     repo = open_repository(settings)
-    durable = Durable(SnapshotStore(settings, repo, layers), catalog, storage)
+    durable = Durable(
+        SnapshotStore(settings, repo, layers), catalog, storage, runtime.image_complete
+    )
     return Orchestrator(settings, catalog, runtime, storage=storage, bundle=bundle, durable=durable)
 
 

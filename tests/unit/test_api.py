@@ -21,8 +21,8 @@ from aenv.api.idempotency import IdempotencyCache
 from aenv.api.listing import Cursor, paginate, parse_metadata_filter
 from aenv.config import Settings
 from aenv.errors import BadRequest, Conflict, NotFound
-from aenv.orchestrator.models import CreateRequest, SandboxRecord, State
-from aenv.orchestrator.service import Timings
+from aenv.domain import CreateRequest, SandboxRecord, Timings
+from aenv.domain import SandboxState as State
 
 API_KEY = "e2b_test_key_0123456789"
 BASE = datetime(2025, 1, 1, tzinfo=UTC)

@@ -15,7 +15,7 @@ from starlette.types import ASGIApp
 
 from aenv import __version__
 from aenv.config import Settings
-from aenv.orchestrator.lifecycle import Orchestrator
+from aenv.orchestrator import Orchestrator
 from aenv.proxy.dispatch import SandboxRouter
 
 from .errors import install_error_handlers

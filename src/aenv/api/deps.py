@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from aenv.config import Settings
-from aenv.orchestrator.lifecycle import Orchestrator
+from aenv.orchestrator import Orchestrator
 
 from .idempotency import IdempotencyCache
 

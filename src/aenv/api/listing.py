@@ -5,16 +5,17 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Literal, TypeVar
 from urllib.parse import parse_qsl, unquote
 
+from aenv.domain import SandboxRecord
 from aenv.errors import BadRequest
-from aenv.orchestrator.models import SandboxRecord
 
 Order = Literal["asc", "desc"]
+T = TypeVar("T")
 API_STATES = ("running", "paused")
 
 
@@ -50,7 +51,8 @@ def parse_states(raw: Iterable[str]) -> set[str]:
 
 @dataclass(frozen=True)
 class Cursor:
-    """Position after the last item of a page: (startedAt, sandboxID) of that item."""
+    """Position after the last item of a page: the sort key of that item (for sandboxes
+    (startedAt, sandboxID), for snapshots (createdAt, snapshotID))."""
 
     started_at: datetime
     sandbox_id: str
@@ -76,29 +78,31 @@ def aware(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
-def _key(record: SandboxRecord) -> tuple[datetime, str]:
+def sandbox_key(record: SandboxRecord) -> tuple[datetime, str]:
     return (aware(record.started_at), record.sandbox_id)
 
 
 def paginate(
-    records: Sequence[SandboxRecord],
+    records: Sequence[T],
     *,
     order: Order,
     limit: int | None,
     cursor: Cursor | None,
-) -> tuple[list[SandboxRecord], str | None]:
-    """One page of `records` sorted by (startedAt, sandboxID) and the token of the next page.
+    key: Callable[[T], tuple[datetime, str]] = sandbox_key,  # type: ignore[assignment]
+) -> tuple[list[T], str | None]:
+    """One page of `records` sorted by `key` — (startedAt, sandboxID) for sandboxes — and
+    the token of the next page.
 
     The token is None on the last page (no empty trailing page: it is only issued when more
     items exist). Because the cursor is a position, not an offset, sandboxes created or
     deleted between pages neither repeat nor shift the remaining ones."""
     desc = order == "desc"
-    items = sorted(records, key=_key, reverse=desc)
+    items = sorted(records, key=key, reverse=desc)
     if cursor is not None:
         mark = (cursor.started_at, cursor.sandbox_id)
-        items = [r for r in items if (_key(r) < mark if desc else _key(r) > mark)]
+        items = [r for r in items if (key(r) < mark if desc else key(r) > mark)]
     if limit is None or len(items) <= limit:
         return items, None
     page = items[:limit]
-    last = page[-1]
-    return page, Cursor(aware(last.started_at), last.sandbox_id).encode()
+    at, ident = key(page[-1])
+    return page, Cursor(at, ident).encode()

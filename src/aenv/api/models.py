@@ -19,7 +19,8 @@ from pydantic import (
     model_serializer,
 )
 
-from aenv.orchestrator.models import SandboxRecord, State
+from aenv.domain import SandboxRecord
+from aenv.domain import SandboxState as State
 
 ApiState = Literal["running", "paused"]
 

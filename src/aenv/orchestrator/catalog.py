@@ -11,12 +11,20 @@ import json
 import sqlite3
 import threading
 from collections.abc import Iterable
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .models import SandboxRecord, State
+from ..domain import (
+    BootInfo,
+    Instance,
+    PausedState,
+    PauseTier,
+    SandboxRecord,
+    SandboxState,
+    TemplateRecord,
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -40,6 +48,12 @@ def _record_to_doc(r: SandboxRecord) -> str:
     d["started_at"] = r.started_at.isoformat()
     d["end_at"] = r.end_at.isoformat()
     d["state"] = r.state.value
+    if r.paused is not None:
+        d["paused"] = {
+            "tier": r.paused.tier.value,
+            "paused_at": r.paused.paused_at.isoformat(),
+            "image": r.paused.image,
+        }
     return json.dumps(d)
 
 
@@ -47,8 +61,19 @@ def _doc_to_record(doc: str) -> SandboxRecord:
     d = json.loads(doc)
     d["started_at"] = datetime.fromisoformat(d["started_at"])
     d["end_at"] = datetime.fromisoformat(d["end_at"])
-    d["state"] = State(d["state"])
-    return SandboxRecord(**d)
+    d["state"] = SandboxState(d["state"])
+    if d.get("instance") is not None:
+        d["instance"] = Instance(**d["instance"])
+    if d.get("paused") is not None:
+        p = d["paused"]
+        d["paused"] = PausedState(
+            tier=PauseTier(p["tier"]),
+            paused_at=datetime.fromisoformat(p["paused_at"]),
+            image=p.get("image"),
+        )
+    d["boot"] = BootInfo(**(d.get("boot") or {}))
+    known = {f.name for f in fields(SandboxRecord)}
+    return SandboxRecord(**{k: v for k, v in d.items() if k in known})
 
 
 class Catalog:
@@ -83,29 +108,29 @@ class Catalog:
         return [_doc_to_record(doc) for (doc,) in self._run("SELECT doc FROM sandboxes")]
 
     # --- templates: documents with an id and any number of unique names ---
-    def put_template(
-        self, template_id: str, doc: dict[str, Any], names: Iterable[str] = ()
-    ) -> None:
+    def put_template(self, t: TemplateRecord) -> None:
+        """Adds or replaces a template; its names are added to the ones it has (a name
+        another template had moves to this one)."""
         with self._lock:
             self._db.execute("BEGIN")
             try:
                 self._db.execute(
                     "INSERT INTO templates(id, doc) VALUES(?,?) "
                     "ON CONFLICT(id) DO UPDATE SET doc=excluded.doc",
-                    (template_id, json.dumps(doc)),
+                    (t.template_id, json.dumps(t.to_doc())),
                 )
-                for name in names:
+                for name in t.names:
                     self._db.execute(
                         "INSERT INTO template_names(name, template_id) VALUES(?,?) "
                         "ON CONFLICT(name) DO UPDATE SET template_id=excluded.template_id",
-                        (name, template_id),
+                        (name, t.template_id),
                     )
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
 
-    def template(self, id_or_name: str) -> tuple[str, dict[str, Any], list[str]] | None:
+    def template(self, id_or_name: str) -> TemplateRecord | None:
         rows = self._run("SELECT id, doc FROM templates WHERE id=?", (id_or_name,))
         if not rows:
             rows = self._run(
@@ -116,20 +141,19 @@ class Catalog:
         if not rows:
             return None
         tid, doc = rows[0]
-        names = [
-            n for (n,) in self._run("SELECT name FROM template_names WHERE template_id=?", (tid,))
-        ]
-        return tid, json.loads(doc), names
+        return TemplateRecord.from_doc(tid, json.loads(doc), self._names(tid))
 
-    def templates(self) -> list[tuple[str, dict[str, Any], list[str]]]:
-        out = []
-        for tid, doc in self._run("SELECT id, doc FROM templates ORDER BY id"):
-            names = [
-                n
-                for (n,) in self._run("SELECT name FROM template_names WHERE template_id=?", (tid,))
-            ]
-            out.append((tid, json.loads(doc), names))
-        return out
+    def templates(self) -> list[TemplateRecord]:
+        return [
+            TemplateRecord.from_doc(tid, json.loads(doc), self._names(tid))
+            for tid, doc in self._run("SELECT id, doc FROM templates ORDER BY id")
+        ]
+
+    def _names(self, template_id: str) -> list[str]:
+        rows = self._run(
+            "SELECT name FROM template_names WHERE template_id=? ORDER BY rowid", (template_id,)
+        )
+        return [n for (n,) in rows]
 
     def delete_template(self, template_id: str) -> bool:
         with self._lock:

@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
+from ..domain import TemplateKind, TemplateRecord
 from ..snapshots import LayerRef, Manifest, SnapshotStore, Spec
 from ..snapshots.artifacts import cancellable
 from ..snapshots.errors import ArtifactError, SnapshotNotFound
@@ -29,10 +30,18 @@ log = logging.getLogger("aenv.durable")
 
 
 class Durable:
-    def __init__(self, store: SnapshotStore, catalog: Catalog, storage: SandboxStorage) -> None:
+    def __init__(
+        self,
+        store: SnapshotStore,
+        catalog: Catalog,
+        storage: SandboxStorage,
+        image_complete: Callable[[Path], bool],
+    ) -> None:
         self.store = store
         self.catalog = catalog
         self.storage = storage
+        # The runtime's word on whether a directory holds a whole memory image.
+        self._complete = image_complete
         self._publishing: dict[str, asyncio.Task[bool]] = {}
 
     async def start(self) -> None:
@@ -50,8 +59,9 @@ class Durable:
             doc = dict((m.spec.model_extra or {}).get("doc") or {})
             if not doc:
                 continue
-            doc["published"] = True
-            await asyncio.to_thread(self.catalog.put_template, m.id, doc, m.names)
+            rec = TemplateRecord.from_doc(m.id, doc, m.names)
+            rec.published = True
+            await asyncio.to_thread(self.catalog.put_template, rec)
             await asyncio.to_thread(self.storage.hold, "template", m.id, m.layer_digests)
             log.info("template %s registered from the repository", m.id)
 
@@ -59,11 +69,10 @@ class Durable:
         if self._publishing:
             await asyncio.gather(*self._publishing.values(), return_exceptions=True)
 
-    def publish_later(
-        self, template_id: str, doc: dict[str, Any], names: list[str]
-    ) -> asyncio.Task[bool]:
+    def publish_later(self, rec: TemplateRecord) -> asyncio.Task[bool]:
         """Publishes in the background; the task's result says whether it worked."""
-        task = asyncio.create_task(self._publish(template_id, doc, names))
+        template_id = rec.template_id
+        task = asyncio.create_task(self._publish(rec))
         self._publishing[template_id] = task
         task.add_done_callback(lambda _t: self._publishing.pop(template_id, None))
         return task
@@ -73,28 +82,36 @@ class Durable:
         if task is not None:
             await asyncio.shield(task)
 
-    async def _publish(self, template_id: str, doc: dict[str, Any], names: list[str]) -> bool:
+    async def _publish(self, rec: TemplateRecord) -> bool:
+        template_id = rec.template_id
         try:
             image = None
-            if doc.get("checkpoint"):
-                image = self.storage.image_dir(str(doc["checkpoint"]))
+            if rec.checkpoint is not None:
+                image = self.storage.image_dir(rec.checkpoint)
+            doc = rec.to_doc()
+            doc.pop("published", None)
+            kind: Literal["snapshot", "template", "hibernation"] = "template"
+            if rec.kind is TemplateKind.SNAPSHOT:
+                kind = "snapshot"
+            elif rec.kind is TemplateKind.HIBERNATION:
+                kind = "hibernation"
             manifest = Manifest(
                 id=template_id,
-                kind=doc["kind"] if doc.get("kind") in ("snapshot", "hibernation") else "template",
-                parent=doc.get("parent"),
-                layers=[LayerRef(digest=d) for d in doc["layers"]],
+                kind=kind,
+                parent=rec.parent,
+                layers=[LayerRef(digest=d) for d in rec.layers],
                 spec=Spec.model_validate(
                     {
-                        "cpu_count": doc.get("cpu_count"),
-                        "memory_mb": doc.get("memory_mb"),
-                        "env": dict(doc.get("env") or {}),
-                        "workdir": doc.get("workdir"),
-                        "user": doc.get("user"),
+                        "cpu_count": rec.cpu_count,
+                        "memory_mb": rec.memory_mb,
+                        "env": dict(rec.env),
+                        "workdir": rec.workdir,
+                        "user": rec.user,
                         # The whole template document, so another node can register it.
-                        "doc": {k: v for k, v in doc.items() if k != "published"},
+                        "doc": doc,
                     }
                 ),
-                names=names,
+                names=list(rec.names),
             )
             with cancellable() as stop:
                 try:
@@ -102,13 +119,10 @@ class Durable:
                 except asyncio.CancelledError:
                     stop.set()  # the packing thread stops too
                     raise
-            found = await asyncio.to_thread(self.catalog.template, template_id)
-            if found is not None:
-                _tid, current, current_names = found
-                current["published"] = True
-                await asyncio.to_thread(
-                    self.catalog.put_template, template_id, current, current_names
-                )
+            current = await asyncio.to_thread(self.catalog.template, template_id)
+            if current is not None:
+                current.published = True
+                await asyncio.to_thread(self.catalog.put_template, current)
             log.info("template %s published to the repository", template_id)
             return True
         except asyncio.CancelledError:
@@ -121,26 +135,27 @@ class Durable:
         """Moves the node's copy of a published memory image into the bounded image cache
         (which may evict it later: `local_image` fetches it back from the repository)."""
         local = self.storage.image_dir(image_id)
-        if not (local / "checkpoint.img").is_file():
+        if not self._complete(local):
             return
         manifest = await self.store.get(image_id)
         await asyncio.to_thread(self.store.adopt_image, manifest, local)
         await asyncio.to_thread(self.storage.remove_image, image_id)
 
-    async def image_for(self, template_id: str, doc: dict[str, Any]) -> Path:
+    async def image_for(self, rec: TemplateRecord) -> Path:
         """The local directory of a template's checkpoint image, fetched if needed."""
-        local = self.storage.image_dir(str(doc["checkpoint"]))
-        if (local / "checkpoint.img").is_file():
+        assert rec.checkpoint is not None
+        local = self.storage.image_dir(rec.checkpoint)
+        if self._complete(local):
             return local
-        await self.wait_published(template_id)
-        return await self._fetch_image(template_id, f"template {template_id!r}")
+        await self.wait_published(rec.template_id)
+        return await self._fetch_image(rec.template_id, f"template {rec.template_id!r}")
 
     @contextlib.asynccontextmanager
     async def local_image(self, image_id: str) -> AsyncIterator[Path]:
         """A hibernated sandbox's memory image as a local directory for as long as the
         context lasts: the node's own copy, else the cached or downloaded one (pinned)."""
         local = self.storage.image_dir(image_id)
-        if (local / "checkpoint.img").is_file():
+        if self._complete(local):
             yield local
             return
         with self.store.pin(image_id):
@@ -163,12 +178,12 @@ class Durable:
             )
         return path
 
-    async def ensure_layers(self, template_id: str, doc: dict[str, Any]) -> None:
-        missing = [d for d in doc["layers"] if not self.storage.layers.has(d)]
+    async def ensure_layers(self, rec: TemplateRecord) -> None:
+        missing = [d for d in rec.layers if not self.storage.layers.has(d)]
         if not missing:
             return
-        await self.wait_published(template_id)
-        manifest = await self.store.get(template_id)
+        await self.wait_published(rec.template_id)
+        manifest = await self.store.get(rec.template_id)
         await self.store.ensure_layers(manifest)
 
     async def forget(self, template_id: str) -> None:

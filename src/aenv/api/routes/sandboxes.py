@@ -12,10 +12,10 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Header, Query, Response
 
 from aenv.config import Settings
+from aenv.domain import CreateRequest, SandboxRecord, Timings
 from aenv.errors import Conflict, NotFound
-from aenv.orchestrator.lifecycle import Orchestrator
-from aenv.orchestrator.models import CreateRequest, SandboxRecord
-from aenv.orchestrator.service import Timings, check_timeout
+from aenv.orchestrator import Orchestrator
+from aenv.orchestrator.context import check_timeout
 
 from ..auth import require_api_key
 from ..deps import IdempotencyDep, OrchestratorDep, SettingsDep

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
@@ -13,11 +11,12 @@ from pydantic import Field
 
 from aenv import ENVD_VERSION
 from aenv.builds.store import BuildRecord
+from aenv.domain import TemplateRecord, Timings
 from aenv.errors import BadRequest, NotFound
-from aenv.orchestrator.service import Timings
 
 from ..auth import require_api_key
 from ..deps import OrchestratorDep
+from ..listing import Cursor, paginate
 from ..models import ErrorBody, Sandbox, _Request, _Response
 from .builds import BuilderDep, TemplateBuild
 from .sandboxes import NEXT_TOKEN_HEADER, add_timing
@@ -70,19 +69,19 @@ class TemplateInfo(_Response):
     _KEEP_NULL: ClassVar[frozenset[str]] = frozenset({"createdBy", "lastSpawnedAt"})
 
     @classmethod
-    def from_doc(cls, tid: str, doc: dict[str, Any], names: list[str]) -> TemplateInfo:
-        created = _when(doc.get("created_at"))
+    def of(cls, t: TemplateRecord) -> TemplateInfo:
+        created = _when(t.created_at)
         return cls(
-            templateID=tid,
-            buildID=str(doc.get("build_id") or tid),
-            cpuCount=int(doc.get("cpu_count") or 2),
-            memoryMB=int(doc.get("memory_mb") or 512),
-            diskSizeMB=int(doc.get("disk_mb") or 1024),
-            aliases=names,
-            names=names,
+            templateID=t.template_id,
+            buildID=str(t.extra.get("build_id") or t.template_id),
+            cpuCount=t.cpu_count or 2,
+            memoryMB=t.memory_mb or 512,
+            diskSizeMB=int(t.extra.get("disk_mb") or 1024),
+            aliases=t.names,
+            names=t.names,
             createdAt=created,
             updatedAt=created,
-            buildStatus=str(doc.get("build_status") or "ready"),
+            buildStatus=str(t.extra.get("build_status") or "ready"),
         )
 
 
@@ -104,9 +103,9 @@ async def create_snapshot(
     if body.memory is False:
         raise BadRequest("snapshots always include memory here; omit `memory` or set it true")
     timings = Timings()
-    snap_id, names = await orchestrator.snapshot(sandbox_id, body.name, timings=timings)
+    snap = await orchestrator.snapshot(sandbox_id, body.name, timings=timings)
     add_timing(response, timings)
-    return SnapshotInfo(snapshotID=snap_id, names=names)
+    return SnapshotInfo(snapshotID=snap.template_id, names=snap.names)
 
 
 @router.get("/snapshots", summary="List snapshots")
@@ -118,18 +117,16 @@ async def list_snapshots(
     limit: int = Query(default=100, ge=1, le=1000),
     next_token: str | None = Query(default=None, alias="nextToken"),
 ) -> list[SnapshotInfo]:
-    items = orchestrator.snapshots(sandbox_id=sandbox_id, name=name)
-    start = 0
-    if next_token:
-        try:
-            start = int(json.loads(base64.urlsafe_b64decode(next_token.encode()))["o"])
-        except Exception as e:
-            raise BadRequest("invalid nextToken") from e
-    page = items[start : start + limit]
-    if start + limit < len(items):
-        token = base64.urlsafe_b64encode(json.dumps({"o": start + limit}).encode()).decode()
+    items = await orchestrator.snapshots(sandbox_id=sandbox_id, name=name)
+    cursor = Cursor.decode(next_token) if next_token else None
+    page, token = paginate(items, order="asc", limit=limit, cursor=cursor, key=_snapshot_key)
+    if token is not None:
         response.headers[NEXT_TOKEN_HEADER] = token
-    return [SnapshotInfo(snapshotID=tid, names=names) for tid, _doc, names in page]
+    return [SnapshotInfo(snapshotID=t.template_id, names=t.names) for t in page]
+
+
+def _snapshot_key(t: TemplateRecord) -> tuple[datetime, str]:
+    return (_when(t.created_at), t.template_id)
 
 
 @router.post("/sandboxes/{sandbox_id}/fork", status_code=201, summary="Fork a running sandbox")
@@ -184,13 +181,13 @@ def _pending_info(b: BuildRecord) -> TemplateInfo:
 @router.get("/templates", summary="List templates")
 @router.get("/v2/templates", summary="List templates", include_in_schema=False)
 async def list_templates(orchestrator: OrchestratorDep, builder: BuilderDep) -> list[TemplateInfo]:
-    templates = await asyncio.to_thread(orchestrator.catalog.templates)
+    templates = await orchestrator.templates()
     by_template = await asyncio.to_thread(builder.by_template)
     out = []
-    for tid, doc, names in templates:
-        if doc.get("internal"):
+    for t in templates:
+        if t.internal:
             continue
-        out.append(_with_builds(TemplateInfo.from_doc(tid, doc, names), by_template.pop(tid, [])))
+        out.append(_with_builds(TemplateInfo.of(t), by_template.pop(t.template_id, [])))
     out.extend(_pending_info(bs[0]) for bs in by_template.values())
     return out
 
@@ -203,9 +200,9 @@ async def list_templates(orchestrator: OrchestratorDep, builder: BuilderDep) -> 
 async def template_alias(
     alias: str, orchestrator: OrchestratorDep, builder: BuilderDep
 ) -> dict[str, Any]:
-    found = await asyncio.to_thread(orchestrator.catalog.template, alias)
-    if found is not None and not found[1].get("internal"):
-        return {"templateID": found[0], "public": False}
+    found = await orchestrator.find_template(alias)
+    if found is not None and not found.internal:
+        return {"templateID": found.template_id, "public": False}
     for b in await asyncio.to_thread(builder.pending_templates):
         if alias in b.names:
             return {"templateID": b.template_id, "public": False}
@@ -216,11 +213,10 @@ async def template_alias(
 async def get_template(
     template_id: str, orchestrator: OrchestratorDep, builder: BuilderDep
 ) -> dict[str, Any]:
-    found = await asyncio.to_thread(orchestrator.catalog.template, template_id)
-    if found is not None and not found[1].get("internal"):
-        tid, doc, names = found
-        builds = await asyncio.to_thread(builder.builds, tid)
-        info = _with_builds(TemplateInfo.from_doc(tid, doc, names), builds)
+    found = await orchestrator.find_template(template_id)
+    if found is not None and not found.internal:
+        builds = await asyncio.to_thread(builder.builds, found.template_id)
+        info = _with_builds(TemplateInfo.of(found), builds)
     else:
         pending = [
             b
@@ -244,8 +240,8 @@ async def get_template(
 async def delete_template(
     template_id: str, orchestrator: OrchestratorDep, builder: BuilderDep
 ) -> Response:
-    found = await asyncio.to_thread(orchestrator.catalog.template, template_id)
-    had_builds = await builder.delete_template(found[0] if found else template_id)
+    found = await orchestrator.find_template(template_id)
+    had_builds = await builder.delete_template(found.template_id if found else template_id)
     if found is not None or not had_builds:
         await orchestrator.delete_template(template_id)
     return Response(status_code=204)

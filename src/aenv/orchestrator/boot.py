@@ -1,0 +1,309 @@
+"""Starting sandboxes: the runtime spec of a record, boot slots, booting or restoring a
+container and readying envd in it, and re-stacking (sealing the upper into a layer).
+
+Every path that starts a container — create, the warm pool, resume, snapshot, fork — comes
+through `Booter.boot`, so the boot slots bound all of them together."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import logging
+import os
+import secrets
+from datetime import timedelta
+from pathlib import Path
+
+from .. import ENVD_VERSION
+from ..domain import (
+    ENVD_PORT,
+    CreateRequest,
+    Instance,
+    SandboxRecord,
+    SandboxState,
+    TemplateRecord,
+    Timings,
+    new_id,
+)
+from ..errors import AenvError, RuntimeFailure, Unavailable
+from ..runtime.base import Runtime, SandboxSpec
+from ..runtime.bundle import EnvdBundle
+from .context import NodeContext
+from .envd_client import EnvdClient
+from .squashing import Squasher, replace_run, run_to_squash
+from .storage import SandboxStorage
+from .table import SandboxTable
+
+log = logging.getLogger("aenv.orchestrator")
+
+
+class Booter:
+    def __init__(
+        self,
+        ctx: NodeContext,
+        table: SandboxTable,
+        runtime: Runtime,
+        storage: SandboxStorage,
+        envd: EnvdClient,
+        bundle: EnvdBundle,
+    ) -> None:
+        self.ctx = ctx
+        self.table = table
+        self.runtime = runtime
+        self.storage = storage
+        self.envd = envd
+        self.bundle = bundle
+        self.squasher = Squasher(storage.layers)
+        n = ctx.settings.boot_concurrency or 2 * (os.cpu_count() or 1)
+        self._slots = asyncio.Semaphore(n)
+
+    # ------------------------------------------------------------------ records
+    def new_record(
+        self,
+        template: TemplateRecord,
+        req: CreateRequest,
+        *,
+        alias: str | None,
+        timeout: int,
+        cpu: int,
+        mem: int,
+        layers: builtins.list[str] | None = None,
+    ) -> SandboxRecord:
+        """A record in `creating` with a fresh upper; `layers` (a boot snapshot's) replace
+        the template's own."""
+        now = self.ctx.now()
+        sandbox_id = new_id()
+        return SandboxRecord(
+            sandbox_id=sandbox_id,
+            template_id=template.template_id,
+            alias=alias,
+            client_id="aenv",
+            started_at=now,
+            end_at=now + timedelta(seconds=timeout),
+            cpu_count=cpu,
+            memory_mb=mem,
+            disk_mb=self.ctx.settings.default_disk_mb,
+            state=SandboxState.CREATING,
+            envd_version=ENVD_VERSION,
+            envd_access_token=secrets.token_urlsafe(24) if req.secure else "",
+            metadata=dict(req.metadata),
+            env_vars=dict(req.env_vars),
+            auto_pause=req.auto_pause,
+            auto_pause_memory=req.auto_pause_memory,
+            auto_resume=req.auto_resume,
+            allow_internet_access=req.allow_internet_access,
+            layers=list(template.layers if layers is None else layers),
+            upper=str(self.storage.new_upper(sandbox_id)),
+            boot=template.boot_info(),
+        )
+
+    def spec(self, r: SandboxRecord) -> SandboxSpec:
+        layers = [self.storage.layers.path(d) for d in r.layers]
+        for d, p in zip(r.layers, layers, strict=True):
+            if not p.is_dir():
+                raise Unavailable(f"layer {d} of sandbox {r.sandbox_id} is missing on this node")
+        return SandboxSpec(
+            sandbox_id=r.sandbox_id,
+            layers=layers,
+            args=self.bundle.init_args(port=ENVD_PORT),
+            env=self.bundle.init_env(),
+            mounts=[self.bundle.mount()],
+            cpu_count=r.cpu_count,
+            memory_mb=r.memory_mb,
+            hostname="sandbox",
+            upper=Path(r.upper) if r.upper else None,
+        )
+
+    # ------------------------------------------------------------------ booting
+    async def queue_behind(self) -> None:
+        """Waits until every boot queued so far has had its slot (speculative work)."""
+        async with self._slots:
+            pass
+
+    async def boot(
+        self,
+        r: SandboxRecord,
+        t: Timings,
+        *,
+        image: Path | None = None,
+        reuse: Instance | None = None,
+        init_from: str | None = None,
+        init: bool = True,
+    ) -> Instance:
+        """Starts the sandbox's container (fresh, or restored from `image`) and readies envd.
+
+        `init_from` is the access token the restored envd still holds (it must authorise
+        its own re-initialisation); `init=False` skips /init for a plain resume."""
+        run = run_to_squash(r.layers, 0)
+        if run is not None:  # past what one overlay mount takes: cannot wait for later
+            with t.stage("squash"):
+                await self.apply_squash(r, run, await self.squasher.squash(run, r.sandbox_id))
+        spec = self.spec(r)
+        inst: Instance | None = None
+        with t.stage("queue") if self._slots.locked() else contextlib.nullcontext():
+            await self._slots.acquire()
+        try:
+            if image is None:
+                with t.stage("boot"):
+                    inst = await self.runtime.create(spec, reuse=reuse)
+            else:
+                with t.stage("restore"):
+                    inst = await self.runtime.restore(spec, image, reuse=reuse)
+            r.instance = inst
+            with t.stage("envd-ready"):
+                await self.envd.wait_ready(inst.address, ENVD_PORT)
+            if init:
+                with t.stage("envd-init"):
+                    await self.init_envd(r, current_token=init_from)
+        except BaseException as e:
+            if inst is not None:
+                await self.destroy_quietly(inst)
+            r.instance = None
+            if isinstance(e, AenvError | asyncio.CancelledError):
+                raise
+            raise RuntimeFailure(
+                f"sandbox {r.sandbox_id} failed to start: {type(e).__name__}: {e}"
+            ) from e
+        finally:
+            self._slots.release()
+        if r.retired_layers:  # the new container runs on the squashed stack
+            gone = [d for d in r.retired_layers if d not in r.layers]
+            await asyncio.to_thread(self.storage.unhold, "sandbox", r.sandbox_id, gone)
+            r.retired_layers = []
+        return inst
+
+    async def init_envd(self, r: SandboxRecord, *, current_token: str | None = None) -> None:
+        """Gives envd the sandbox's token, environment, user and working directory."""
+        assert r.instance is not None
+        await self.envd.init(
+            r.instance.address,
+            ENVD_PORT,
+            token=r.envd_access_token,
+            env_vars={**r.boot.env, **r.env_vars},
+            user=r.boot.user,
+            workdir=r.boot.workdir,
+            current_token=current_token,
+        )
+
+    async def preboot(
+        self,
+        template: TemplateRecord,
+        cpu: int,
+        mem: int,
+        *,
+        alias: str | None,
+        boot: TemplateRecord | None,
+        timings: Timings | None = None,
+    ) -> SandboxRecord:
+        """A sandbox of the template for no one yet (memory reserved by the caller): booted,
+        or restored from the boot snapshot `boot`; envd not initialised; warmed up. What it
+        left behind is gone if it fails."""
+        t = timings or Timings()
+        r = self.new_record(
+            template,
+            CreateRequest(),
+            alias=alias,
+            timeout=self.ctx.settings.default_timeout,
+            cpu=cpu,
+            mem=mem,
+            layers=None if boot is None else boot.layers,
+        )
+        self.table.add(r)
+        try:
+            await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, r.layers)
+            image = None
+            if boot is not None and boot.checkpoint is not None:
+                image = self.storage.image_dir(boot.checkpoint)
+            await self.boot(r, t, image=image, init=False)
+            # Also after a restore: the files bash and envd map are re-opened lazily.
+            await self._warm_up(r)
+        except BaseException:
+            self.table.discard(r.sandbox_id)
+            await self.forget(r)
+            raise
+        return r
+
+    async def _warm_up(self, r: SandboxRecord) -> None:
+        """Runs one login shell in a pre-booted sandbox: the first command a user runs is
+        otherwise ~45 ms slower (envd's process code and bash's files are read through
+        gVisor's gofer for the first time). Best effort: an image without bash just skips."""
+        assert r.instance is not None
+        rpc = self.envd.rpc(r.instance.address, ENVD_PORT, "")
+        try:
+            await rpc.run("/bin/bash", ["-l", "-c", "true"], user=r.boot.user, timeout=10)
+        except Exception as e:
+            log.debug("warm-up of %s: %s", r.sandbox_id, e)
+
+    async def destroy_quietly(self, inst: Instance) -> None:
+        try:
+            await self.runtime.destroy(inst)
+        except Exception:
+            log.exception("destroying %s failed", inst.id)
+
+    async def forget(self, r: SandboxRecord) -> None:
+        """Drops what a sandbox that is gone left on this node's disk: its uppers and
+        its layer references (a hibernation image is its pause tier's to drop)."""
+        await asyncio.to_thread(self.storage.remove_sandbox, r.sandbox_id)
+        await asyncio.to_thread(self.storage.release, "sandbox", r.sandbox_id)
+
+    # ------------------------------------------------------------------ re-stacking
+    async def seal(self, r: SandboxRecord, t: Timings) -> None:
+        """Seals the upper as a layer on top of the stack; the sandbox goes on on a fresh
+        one. An untouched upper stays: a layer of nothing would only lengthen the stack."""
+        assert r.upper is not None
+        with t.stage("seal"):
+            if await asyncio.to_thread(_is_empty, Path(r.upper)):
+                return
+            digest = await asyncio.to_thread(self.storage.seal, Path(r.upper), r.sandbox_id)
+            r.layers = [digest, *r.layers]
+            await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, [digest])
+            r.upper = str(await asyncio.to_thread(self.storage.new_upper, r.sandbox_id))
+        self.squash_later(r)
+
+    async def restore_in_place(
+        self, r: SandboxRecord, t: Timings, image: Path, stopped: Instance
+    ) -> None:
+        """Restores a checkpointed, sealed sandbox in its own network slot (same address for
+        everyone). A sandbox that does not come back is marked lost."""
+        try:
+            await self.boot(r, t, image=image, reuse=stopped, init=False)
+        except BaseException as e:
+            await self.destroy_quietly(stopped)
+            r.state = SandboxState.LOST
+            r.note = f"restoring it after a snapshot failed: {e}"
+            await self.table.save(r)
+            raise
+
+    # ------------------------------------------------------------------ squashing
+    def squash_later(self, r: SandboxRecord) -> None:
+        run = run_to_squash(r.layers, self.ctx.settings.squash_layers)
+        if run is not None:
+            self.ctx.spawn(self._squash_in_background(r.sandbox_id, run))
+
+    async def _squash_in_background(self, sandbox_id: str, run: builtins.list[str]) -> None:
+        try:
+            merged = await self.squasher.squash(run, sandbox_id)
+        except Exception:
+            log.exception("squashing the layers of %s failed", sandbox_id)
+            return
+        async with self.table.lock(sandbox_id):
+            r = self.table.find(sandbox_id)
+            gone = (SandboxState.KILLING, SandboxState.KILLED, SandboxState.LOST)
+            if r is not None and r.state not in gone:
+                await self.apply_squash(r, run, merged)
+
+    async def apply_squash(self, r: SandboxRecord, run: builtins.list[str], merged: str) -> None:
+        new = replace_run(r.layers, run, merged)
+        if new is None:
+            return
+        await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, [merged])
+        r.retired_layers = sorted(set(r.retired_layers) | (set(run) - set(new)))
+        r.layers = new
+        await self.table.save(r)
+        log.info("sandbox %s: %d layers squashed into %s", r.sandbox_id, len(run), merged)
+
+
+def _is_empty(d: Path) -> bool:
+    with os.scandir(d) as it:
+        return next(it, None) is None

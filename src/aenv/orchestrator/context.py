@@ -1,0 +1,54 @@
+"""What every part of the orchestrator shares: the settings, the clock, background tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from ..config import Settings
+from ..domain import utcnow
+from ..errors import BadRequest
+
+log = logging.getLogger("aenv.orchestrator")
+
+Clock = Callable[[], datetime]
+
+
+@dataclass
+class NodeContext:
+    settings: Settings
+    # Injectable so the state machine's unit tests can move time on.
+    clock: Clock = utcnow
+    # Set once the node shuts down: nothing speculative starts any more.
+    closing: bool = False
+    # Tells this run of the node from earlier ones (boot snapshots are made anew each run).
+    run_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def now(self) -> datetime:
+        return self.clock()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
+        """Runs `coro` in the background; the node waits for it at shutdown."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def join(self) -> None:
+        """Waits for every background task (at shutdown, and in tests)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def check_timeout(timeout: int | None, settings: Settings) -> None:
+    """The range check of a sandbox timeout in seconds (None: the default applies). Its upper
+    bound is a setting, so the API's pydantic models cannot hold it: the API calls this before
+    doing any work, the orchestrator again for its other callers."""
+    if timeout is not None and not 0 <= timeout <= settings.max_timeout:
+        raise BadRequest(f"timeout must be between 0 and {settings.max_timeout} seconds")

@@ -1,0 +1,248 @@
+"""The orchestrator: the one door into the node's core for `api/`, `proxy/` and `builds/`.
+
+It composes the parts, each with one job, and only delegates:
+    Node            start-up/recovery, timers, shutdown          (node.py)
+    SandboxTable    records, per-sandbox locks, memory budget     (table.py)
+    Booter          specs, boot slots, boot/restore, seal, squash (boot.py)
+    WarmPool        pre-booted sandboxes                          (pool.py)
+    BootSnapshots   snapshots of freshly booted sandboxes         (bootsnaps.py)
+    Sandboxes       create, kill, timeouts, export                (sandboxes.py)
+    Pauser          pause tiers, resume, connect, proxy resolve   (pausing.py)
+    Snapshotter     snapshots                                     (snapshots.py)
+    Forker          fork                                          (fork.py)
+    TemplateRegistry catalog + layer holds + repository           (templates.py)
+Parts call down or sideways to parts built before them, never back up to this facade."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import os
+from pathlib import Path
+from typing import Any
+
+from ..config import Settings
+from ..domain import ENVD_PORT, CreateRequest, SandboxRecord, TemplateRecord, Timings
+from ..errors import BadRequest
+from ..images.cache import holder
+from ..images.pull import PulledImage, pull
+from ..runtime.base import Runtime
+from ..runtime.bundle import EnvdBundle
+from .boot import Booter
+from .bootsnaps import BootSnapshots
+from .catalog import Catalog
+from .context import Clock, NodeContext, check_timeout
+from .durable import Durable
+from .envd_client import EnvdClient, EnvdRpc
+from .fork import Forker, ForkResult
+from .node import Node
+from .pausing import Pauser
+from .pool import WarmPool
+from .sandboxes import Sandboxes
+from .snapshots import Snapshotter
+from .storage import SandboxStorage
+from .table import SandboxTable
+from .templates import TemplateRegistry
+
+DEFAULT_TEMPLATE = "base"
+
+
+def _host_memory_mb() -> int:
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        settings: Settings,
+        catalog: Catalog,
+        runtime: Runtime,
+        *,
+        storage: SandboxStorage,
+        bundle: EnvdBundle,
+        durable: Durable | None = None,
+        envd: EnvdClient | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.settings = settings
+        ctx = NodeContext(settings) if clock is None else NodeContext(settings, clock=clock)
+        self._ctx = ctx
+        self._storage = storage
+        self._bundle = bundle
+        envd = envd or EnvdClient()
+        self._envd = envd
+        budget = settings.max_memory_mb or int(_host_memory_mb() * 0.9)
+        self._table = table = SandboxTable(catalog, budget)
+        self._templates = templates = TemplateRegistry(
+            catalog, storage, durable, runtime.image_complete
+        )
+        booter = Booter(ctx, table, runtime, storage, envd, bundle)
+        self._snapshotter = snapshotter = Snapshotter(ctx, table, booter, runtime, templates)
+        self._boot_snapshots = boot = BootSnapshots(ctx, table, booter, snapshotter, templates)
+        pool = WarmPool(ctx, table, booter, templates, boot)
+        self._sandboxes = sandboxes = Sandboxes(
+            ctx, table, booter, templates, pool, boot, runtime, storage
+        )
+        self._pauser = pauser = Pauser(ctx, table, booter, runtime, templates)
+        self._forker = Forker(ctx, table, snapshotter, sandboxes, templates)
+        self._node = Node(ctx, table, runtime, templates, sandboxes, pauser, pool, envd)
+
+    # ------------------------------------------------------------------ the node
+    async def start(self, *, timers: bool = True) -> None:
+        """Recovers what a previous run left and starts the timers (`timers=False`: the
+        caller drives `tick`, as the state machine's tests do)."""
+        await self._node.start(timers=timers)
+
+    async def close(self) -> None:
+        await self._node.close()
+
+    async def tick(self) -> None:
+        await self._node.tick()
+
+    async def settle(self) -> None:
+        """Waits for the background work started so far (publishes, squashes)."""
+        await self._ctx.join()
+
+    @property
+    def memory_budget_mb(self) -> int:
+        return self._table.memory_budget_mb
+
+    def check_timeout(self, timeout: int | None) -> None:
+        check_timeout(timeout, self.settings)
+
+    # ------------------------------------------------------------------ sandboxes
+    def get(self, sandbox_id: str) -> SandboxRecord:
+        return self._table.get(sandbox_id)
+
+    def list(
+        self,
+        *,
+        metadata: dict[str, str] | None = None,
+        states: set[str] | None = None,
+        template: str | None = None,
+    ) -> builtins.list[SandboxRecord]:
+        return self._table.list(metadata=metadata, states=states, template=template)
+
+    async def create(self, req: CreateRequest, timings: Timings | None = None) -> SandboxRecord:
+        return await self._sandboxes.create(req, timings)
+
+    async def kill(self, sandbox_id: str) -> None:
+        await self._sandboxes.kill(sandbox_id)
+
+    async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
+        return await self._sandboxes.set_timeout(sandbox_id, timeout)
+
+    async def refresh(self, sandbox_id: str, duration: int | None) -> SandboxRecord:
+        return await self._sandboxes.refresh(sandbox_id, duration)
+
+    async def export_layers(self, sandbox_id: str) -> builtins.list[str]:
+        return await self._sandboxes.export_layers(sandbox_id)
+
+    def envd(self, r: SandboxRecord) -> EnvdRpc:
+        """Process and file calls to a running sandbox's envd, with its access token."""
+        if r.address is None:
+            raise BadRequest(f"sandbox {r.sandbox_id!r} is not running")
+        return self._envd.rpc(r.address, ENVD_PORT, r.envd_access_token)
+
+    def in_sandbox_python(self) -> tuple[builtins.list[str], dict[str, str]]:
+        """argv prefix and environment that run the node's own Python inside a sandbox."""
+        return self._bundle.python_args(), self._bundle.python_env()
+
+    # ------------------------------------------------------------------ pause tiers
+    async def pause(
+        self, sandbox_id: str, memory: bool = True, timings: Timings | None = None
+    ) -> None:
+        await self._pauser.pause(sandbox_id, memory, timings)
+
+    async def hibernate(self, sandbox_id: str, timings: Timings | None = None) -> None:
+        await self._pauser.hibernate(sandbox_id, timings)
+
+    async def connect(
+        self,
+        sandbox_id: str,
+        timeout: int | None,
+        memory: bool | None = None,
+        timings: Timings | None = None,
+    ) -> tuple[SandboxRecord, bool]:
+        return await self._pauser.connect(sandbox_id, timeout, memory, timings)
+
+    async def resolve(self, sandbox_id: str, port: int) -> tuple[str, int]:
+        return await self._pauser.resolve(sandbox_id, port)
+
+    # ------------------------------------------------------------------ snapshots, fork
+    async def snapshot(
+        self,
+        sandbox_id: str,
+        name: str | None = None,
+        timings: Timings | None = None,
+        *,
+        template_id: str | None = None,
+        parent: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> TemplateRecord:
+        return await self._snapshotter.snapshot(
+            sandbox_id, name, timings, template_id=template_id, parent=parent, extra=extra
+        )
+
+    async def snapshots(
+        self, sandbox_id: str | None = None, name: str | None = None
+    ) -> builtins.list[TemplateRecord]:
+        return await self._templates.snapshots(sandbox_id, name)
+
+    async def fork(
+        self,
+        sandbox_id: str,
+        count: int,
+        timeout: int | None = None,
+        timings: Timings | None = None,
+    ) -> builtins.list[ForkResult]:
+        return await self._forker.fork(sandbox_id, count, timeout, timings)
+
+    # ------------------------------------------------------------------ templates
+    async def template(self, id_or_name: str) -> TemplateRecord:
+        return await self._templates.get(id_or_name)
+
+    async def find_template(self, id_or_name: str) -> TemplateRecord | None:
+        return await self._templates.find(id_or_name)
+
+    async def templates(self) -> builtins.list[TemplateRecord]:
+        """Every template, internal ones included."""
+        return await self._templates.all()
+
+    async def register_template(self, rec: TemplateRecord, *, publish: bool = True) -> None:
+        """Adds or replaces a template (see TemplateRegistry.register)."""
+        await self._templates.register(rec, publish=publish)
+
+    async def delete_template(self, template_id: str) -> None:
+        rec = await self._templates.get(template_id)
+        if rec.template_id == DEFAULT_TEMPLATE:
+            raise BadRequest(f"the default template {DEFAULT_TEMPLATE!r} cannot be deleted")
+        await self._boot_snapshots.forget_template(rec.template_id)
+        await self._templates.delete(rec)
+
+    # ------------------------------------------------------------------ layers
+    def layer_path(self, digest: str) -> Path:
+        return self._storage.layers.path(digest)
+
+    def has_layer(self, digest: str) -> bool:
+        return self._storage.layers.has(digest)
+
+    async def hold_layers(self, kind: str, ident: str, digests: builtins.list[str]) -> None:
+        """Keeps layers from eviction on behalf of `kind`/`ident` (a build, a pull...)."""
+        await asyncio.to_thread(self._storage.hold, kind, ident, digests)
+
+    async def release_layers(self, kind: str, ident: str) -> None:
+        await asyncio.to_thread(self._storage.release, kind, ident)
+
+    async def pull_image(self, image: str, **kw: Any) -> PulledImage:
+        """Pulls an OCI image into the node's layer store (see images.pull.pull); `pin`
+        (kind, ident) holds its layers until `release_layers(kind, ident)`."""
+        pin = kw.pop("pin", None)
+        return await pull(
+            self.settings.images,
+            self._storage.layers,
+            image,
+            cache=self._storage.refs,
+            holder=None if pin is None else holder(*pin),
+            **kw,
+        )

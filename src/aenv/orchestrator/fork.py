@@ -1,0 +1,108 @@
+"""Fork: one running sandbox into N children with its memory, processes and files. A
+snapshot that the children restore from, each on its own empty upper (no file data is
+copied), while the parent is restored in place; the snapshot is deleted afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from ..domain import CreateRequest, SandboxRecord, SandboxState, Timings
+from ..errors import AenvError, BadRequest, Conflict
+from .context import NodeContext, check_timeout
+from .sandboxes import Sandboxes
+from .snapshots import Snapshotter
+from .table import SandboxTable
+from .templates import TemplateRegistry
+
+log = logging.getLogger("aenv.orchestrator")
+
+MAX_CHILDREN = 20
+
+
+@dataclass
+class ForkResult:
+    sandbox: SandboxRecord | None = None
+    error: AenvError | None = None
+
+
+class Forker:
+    def __init__(
+        self,
+        ctx: NodeContext,
+        table: SandboxTable,
+        snapshotter: Snapshotter,
+        sandboxes: Sandboxes,
+        templates: TemplateRegistry,
+    ) -> None:
+        self.ctx = ctx
+        self.table = table
+        self.snapshotter = snapshotter
+        self.sandboxes = sandboxes
+        self.templates = templates
+
+    async def fork(
+        self,
+        sandbox_id: str,
+        count: int,
+        timeout: int | None = None,
+        timings: Timings | None = None,
+    ) -> list[ForkResult]:
+        t = timings or Timings()
+        if not 1 <= count <= MAX_CHILDREN:
+            raise BadRequest(f"count must be between 1 and {MAX_CHILDREN}")
+        check_timeout(timeout, self.ctx.settings)
+        self.table.get(sandbox_id)
+        async with self.table.lock(sandbox_id):
+            parent = self.table.get(sandbox_id)
+            if parent.state is not SandboxState.RUNNING:
+                raise Conflict(
+                    f"sandbox {sandbox_id!r} must be running to fork (it is {parent.state})"
+                )
+            snap, parent_back = await self.snapshotter.take(
+                parent, t, names=[], internal=True, restore_later=True
+            )
+            ttl = timeout
+            if ttl is None:
+                ttl = max(1, int((parent.end_at - self.ctx.now()).total_seconds()))
+            req = CreateRequest(
+                template_id=snap.template_id,
+                timeout=ttl,
+                metadata=dict(parent.metadata),
+                env_vars=dict(parent.env_vars),
+                auto_pause=parent.auto_pause,
+                auto_pause_memory=parent.auto_pause_memory,
+                auto_resume=parent.auto_resume,
+                secure=bool(parent.envd_access_token),
+            )
+            with t.stage("children"):
+                # The children restore from the snapshot while the parent does (under its
+                # lock); a parent that fails to come back is marked lost, its children stay.
+                kids = asyncio.ensure_future(
+                    asyncio.gather(*(self._child(parent, req) for _ in range(count)))
+                )
+                if parent_back is not None:
+                    try:
+                        await parent_back
+                    except Exception:
+                        log.exception("fork of %s: the parent did not come back", sandbox_id)
+        with t.stage("children"):
+            results = await kids
+        # Children no longer need the image; their layers stay (they run on them).
+        await self.templates.delete(snap)
+        return list(results)
+
+    async def _child(self, parent: SandboxRecord, req: CreateRequest) -> ForkResult:
+        # Children queue for boot slots like any create (Booter.boot).
+        try:
+            c = await self.sandboxes.create(req)
+        except AenvError as e:
+            return ForkResult(error=e)
+        except Exception as e:
+            return ForkResult(error=AenvError(f"fork child failed: {e}"))
+        c.template_id = parent.template_id
+        c.alias = parent.alias
+        c.parent_id = parent.sandbox_id
+        await self.table.save(c)
+        return ForkResult(sandbox=c)

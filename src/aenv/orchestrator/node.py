@@ -1,0 +1,124 @@
+"""The node's life: start-up (recovering what the catalog and the runtime still hold),
+the timers (sandbox timeouts, hibernation of idle frozen sandboxes) and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from ..domain import PauseTier, SandboxState
+from ..errors import AenvError
+from ..runtime.base import Runtime
+from .context import NodeContext
+from .envd_client import EnvdClient
+from .pausing import Pauser
+from .pool import WarmPool
+from .sandboxes import Sandboxes
+from .table import SandboxTable
+from .templates import TemplateRegistry
+
+log = logging.getLogger("aenv.orchestrator")
+
+TICK_SECONDS = 1.0
+_ON_DISK = (PauseTier.HIBERNATED, PauseTier.FILES)
+
+
+class Node:
+    def __init__(
+        self,
+        ctx: NodeContext,
+        table: SandboxTable,
+        runtime: Runtime,
+        templates: TemplateRegistry,
+        sandboxes: Sandboxes,
+        pauser: Pauser,
+        pool: WarmPool,
+        envd: EnvdClient,
+    ) -> None:
+        self.ctx = ctx
+        self.table = table
+        self.runtime = runtime
+        self.templates = templates
+        self.sandboxes = sandboxes
+        self.pauser = pauser
+        self.pool = pool
+        self.envd = envd
+        self._timer: asyncio.Task[None] | None = None
+
+    async def start(self, *, timers: bool = True) -> None:
+        await self.recover()
+        await self.templates.start()
+        if timers:
+            self._timer = asyncio.create_task(self._timer_loop(), name="aenv-timers")
+        self.pool.refill()
+
+    async def recover(self) -> None:
+        """Running and frozen sandboxes whose containers survived come back as they were;
+        hibernated and files-only ones need nothing running; any other is lost."""
+        records = await self.table.stored()
+        live = (SandboxState.RUNNING, SandboxState.PAUSED)
+        keep = {r.instance.id for r in records if r.instance and r.state in live}
+        recovered = await self.runtime.start(keep)
+        for r in records:
+            if r.state is SandboxState.KILLED:
+                await self.table.delete(r)
+                continue
+            if r.instance and r.instance.id in recovered:
+                r.instance = recovered[r.instance.id]
+                if r.state not in live:
+                    r.state = SandboxState.RUNNING
+                log.info("recovered sandbox %s (%s)", r.sandbox_id, r.state)
+            elif r.tier in _ON_DISK:
+                r.instance = None  # durable on disk; nothing was running
+            elif r.state is not SandboxState.LOST:
+                r.state = SandboxState.LOST
+                r.instance = None
+                r.note = "it was running when the server stopped and could not be recovered"
+                log.warning("sandbox %s lost across the restart", r.sandbox_id)
+            self.table.add(r)
+            await self.table.save(r)
+
+    async def close(self) -> None:
+        self.ctx.closing = True
+        await self.pool.close()
+        if self._timer:
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+        await self.pauser.hibernate_all()
+        await self.ctx.join()
+        await self.templates.close()
+        await self.runtime.close()
+        await self.envd.close()
+
+    async def _timer_loop(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("timer loop")
+
+    async def tick(self) -> None:
+        """One round of the timers at the context's clock."""
+        now = self.ctx.now()
+        for r in self.table.all():
+            if r.end_at > now or r.state is not SandboxState.RUNNING:
+                continue
+            try:
+                if r.auto_pause:
+                    log.info("sandbox %s timed out: pausing", r.sandbox_id)
+                    await self.pauser.pause(r.sandbox_id, memory=r.auto_pause_memory)
+                else:
+                    log.info("sandbox %s timed out: killing", r.sandbox_id)
+                    await self.sandboxes.kill(r.sandbox_id)
+            except AenvError as e:
+                log.info("timeout handling of %s: %s", r.sandbox_id, e.message)
+            except Exception:
+                log.exception("timeout handling of %s failed", r.sandbox_id)
+        for sandbox_id in self.pauser.idle_frozen():
+            try:
+                await self.pauser.hibernate(sandbox_id)
+            except Exception:
+                log.exception("hibernating %s failed", sandbox_id)

@@ -1,0 +1,240 @@
+"""Pause tiers and the way back.
+
+    frozen      the container is frozen in place: CPU released, memory kept; resume = thaw
+    hibernated  memory + processes checkpointed to an image, files sealed, container and
+                slot released; resume = restore the image over the same layers
+    files       only the files are kept (E2B `memory: false`); resume = a fresh boot
+
+A paused sandbox is frozen at once and hibernated after `hibernate_after` idle seconds (or
+at a clean shutdown). A hibernated sandbox is published to the repository a few seconds
+later; the node then keeps its memory image only in its bounded cache."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from datetime import timedelta
+
+from ..domain import (
+    LIVE_STATES,
+    PausedState,
+    PauseTier,
+    SandboxRecord,
+    SandboxState,
+    TemplateKind,
+    TemplateRecord,
+    Timings,
+)
+from ..errors import Conflict, Gone, NotFound
+from ..runtime.base import Runtime
+from .boot import Booter
+from .context import NodeContext, check_timeout
+from .table import SandboxTable
+from .templates import TemplateRegistry
+
+log = logging.getLogger("aenv.orchestrator")
+
+# Seconds a hibernated sandbox stays on the node's disk only before it is published.
+PUBLISH_HIBERNATION_AFTER = 5.0
+
+
+class Pauser:
+    def __init__(
+        self,
+        ctx: NodeContext,
+        table: SandboxTable,
+        booter: Booter,
+        runtime: Runtime,
+        templates: TemplateRegistry,
+    ) -> None:
+        self.ctx = ctx
+        self.table = table
+        self.booter = booter
+        self.runtime = runtime
+        self.templates = templates
+
+    # ------------------------------------------------------------------ pause
+    async def pause(
+        self, sandbox_id: str, memory: bool = True, timings: Timings | None = None
+    ) -> None:
+        t = timings or Timings()
+        self.table.get(sandbox_id)
+        async with self.table.lock(sandbox_id):
+            r = self.table.get(sandbox_id)
+            if r.state is SandboxState.PAUSED:
+                raise Conflict(f"sandbox {sandbox_id!r} is already paused")
+            if r.state is not SandboxState.RUNNING or r.instance is None:
+                raise Conflict(f"sandbox {sandbox_id!r} cannot be paused while {r.state}")
+            if not memory:
+                with t.stage("stop"):
+                    await self.runtime.destroy(r.instance)
+                r.instance = None
+                r.paused = PausedState(PauseTier.FILES, self.ctx.now())
+            else:
+                with t.stage("freeze"):
+                    await self.runtime.freeze(r.instance)
+                r.paused = PausedState(PauseTier.FROZEN, self.ctx.now())
+            r.state = SandboxState.PAUSED
+            await self.table.save(r)
+            if memory and self.ctx.settings.hibernate_after <= 0:
+                await self._hibernate_locked(r, t)
+
+    async def hibernate(self, sandbox_id: str, timings: Timings | None = None) -> None:
+        """Puts a frozen sandbox on disk; anything else is left as it is."""
+        async with self.table.lock(sandbox_id):
+            r = self.table.find(sandbox_id)
+            if r is not None and r.tier is PauseTier.FROZEN:
+                await self._hibernate_locked(r, timings or Timings())
+
+    def idle_frozen(self) -> list[str]:
+        """The frozen sandboxes that have been idle for `hibernate_after` seconds."""
+        after = timedelta(seconds=self.ctx.settings.hibernate_after)
+        now = self.ctx.now()
+        return [
+            r.sandbox_id
+            for r in self.table.all()
+            if r.tier is PauseTier.FROZEN
+            and r.paused is not None
+            and now - r.paused.paused_at >= after
+        ]
+
+    async def hibernate_all(self) -> None:
+        """At shutdown: frozen sandboxes would die with the host's processes on a reboot."""
+        for r in self.table.all():
+            if r.tier is PauseTier.FROZEN:
+                try:
+                    await self.hibernate(r.sandbox_id)
+                except Exception:
+                    log.exception("hibernating %s at shutdown failed", r.sandbox_id)
+
+    async def _hibernate_locked(self, r: SandboxRecord, t: Timings) -> None:
+        assert r.instance is not None and r.paused is not None
+        inst = r.instance
+        # A new name each time: the previous image may still be being dropped after a resume.
+        name = f"hib-{r.sandbox_id}-{secrets.token_hex(4)}"
+        image = await self.templates.fresh_image(name)
+        with t.stage("checkpoint"):
+            await self.runtime.checkpoint(inst, image, leave_running=False)
+        with t.stage("release"):
+            await self.runtime.destroy(inst)
+        r.instance = None
+        # Sealed, the files are plain layers: the repository can hold the whole sandbox.
+        await self.booter.seal(r, t)
+        r.paused = PausedState(PauseTier.HIBERNATED, r.paused.paused_at, image=name)
+        await self.table.save(r)
+        if self.templates.durable is not None:
+            self.ctx.spawn(self._publish_hibernation(r.sandbox_id, name))
+        log.info("sandbox %s hibernated", r.sandbox_id)
+
+    async def _publish_hibernation(self, sandbox_id: str, image: str) -> None:
+        # Not at once: a sandbox resumed within seconds (the common case for an agent) is
+        # never published, and the publish does not take CPU from that resume.
+        await asyncio.sleep(PUBLISH_HIBERNATION_AFTER)
+        async with self.table.lock(sandbox_id):
+            r = self.table.find(sandbox_id)
+            if r is None or r.paused is None or r.paused.image != image:
+                return
+            task = self.templates.publish(self._hibernation_record(r, image))
+        if task is None:
+            return
+        (ok,) = await asyncio.gather(task, return_exceptions=True)
+        if ok is not True:
+            return  # failed (logged) or cancelled by a resume/kill: the local copy stays
+        async with self.table.lock(sandbox_id):
+            still = self.table.find(sandbox_id)
+            if still is not None and still.paused is not None and still.paused.image == image:
+                await self.templates.hand_over(image)
+
+    def _hibernation_record(self, r: SandboxRecord, image: str) -> TemplateRecord:
+        return TemplateRecord(
+            template_id=image,
+            kind=TemplateKind.HIBERNATION,
+            layers=list(r.layers),
+            checkpoint=image,
+            sandbox_id=r.sandbox_id,
+            parent=r.template_id,
+            env=dict(r.boot.env),
+            user=r.boot.user,
+            workdir=r.boot.workdir,
+            cpu_count=r.cpu_count,
+            memory_mb=r.memory_mb,
+            created_at=self.ctx.now().isoformat(),
+        )
+
+    # ------------------------------------------------------------------ resume
+    async def _resume_locked(self, r: SandboxRecord, t: Timings) -> None:
+        assert r.paused is not None
+        paused = r.paused
+        if paused.tier is not PauseTier.FROZEN:
+            self.table.reserve(r.memory_mb)
+        r.state = SandboxState.RESUMING
+        try:
+            if paused.tier is PauseTier.FROZEN:
+                assert r.instance is not None
+                with t.stage("thaw"):
+                    await self.runtime.thaw(r.instance)
+            elif paused.tier is PauseTier.HIBERNATED:
+                assert paused.image is not None
+                what = f"paused sandbox {r.sandbox_id!r}"
+                async with contextlib.AsyncExitStack() as stack:
+                    with t.stage("fetch"):  # the fetch only, not the use
+                        image = await stack.enter_async_context(
+                            self.templates.hibernation_image(paused.image, what)
+                        )
+                    await self.booter.boot(r, t, image=image, init=False)
+                self.ctx.spawn(self.templates.drop_image(paused.image))
+            else:  # files only: boot fresh on the kept upper
+                await self.booter.boot(r, t)
+        except BaseException:
+            r.state = SandboxState.PAUSED
+            raise
+        r.state = SandboxState.RUNNING
+        r.paused = None
+
+    async def connect(
+        self,
+        sandbox_id: str,
+        timeout: int | None,
+        memory: bool | None = None,
+        timings: Timings | None = None,
+    ) -> tuple[SandboxRecord, bool]:
+        """Resumes a paused sandbox (E2B's connect); extends a running one's timeout.
+        Returns the record and whether it was resumed."""
+        t = timings or Timings()
+        settings = self.ctx.settings
+        self.table.get(sandbox_id)
+        async with self.table.lock(sandbox_id):
+            r = self.table.get(sandbox_id)
+            resumed = False
+            check_timeout(timeout, settings)
+            if r.state is SandboxState.PAUSED:
+                assert r.paused is not None
+                if memory is False and r.paused.tier is not PauseTier.FILES:
+                    # E2B's on_resume="reboot": drop the memory, keep the files.
+                    if r.instance:
+                        await self.runtime.destroy(r.instance)
+                        r.instance = None
+                    r.paused = PausedState(PauseTier.FILES, self.ctx.now())
+                await self._resume_locked(r, t)
+                resumed = True
+                ttl = settings.default_timeout if timeout is None else timeout
+                r.end_at = self.ctx.now() + timedelta(seconds=ttl)
+            elif timeout is not None:
+                r.end_at = max(r.end_at, self.ctx.now() + timedelta(seconds=timeout))
+            await self.table.save(r)
+        return r, resumed
+
+    async def resolve(self, sandbox_id: str, port: int) -> tuple[str, int]:
+        """The address of a sandbox's port for the proxy, resuming it if it may be."""
+        r = self.table.find(sandbox_id)
+        if r is None or r.state not in LIVE_STATES:
+            raise NotFound(f"sandbox {sandbox_id!r} not found")
+        if r.state is not SandboxState.RUNNING:
+            if not r.auto_resume:
+                raise Gone(f"sandbox {sandbox_id!r} is paused")
+            await self.connect(sandbox_id, max(300, self.ctx.settings.default_timeout))
+        if r.address is None:
+            raise NotFound(f"sandbox {sandbox_id!r} is not running")
+        return r.address, port

@@ -1,0 +1,153 @@
+"""Creating and ending sandboxes: create (from the warm pool, a boot snapshot, a snapshot's
+memory image, or a cold boot), kill, timeouts, and exporting a sandbox's files as layers."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+from datetime import timedelta
+from pathlib import Path
+
+from ..domain import CreateRequest, SandboxRecord, SandboxState, Timings
+from ..errors import BadRequest, NotFound
+from ..runtime.base import Runtime
+from .boot import Booter
+from .bootsnaps import BootSnapshots
+from .context import NodeContext, check_timeout
+from .pool import WarmPool
+from .storage import SandboxStorage
+from .table import SandboxTable
+from .templates import TemplateRegistry
+
+_GONE = (SandboxState.KILLED, SandboxState.KILLING)
+
+
+class Sandboxes:
+    def __init__(
+        self,
+        ctx: NodeContext,
+        table: SandboxTable,
+        booter: Booter,
+        templates: TemplateRegistry,
+        pool: WarmPool,
+        boot_snapshots: BootSnapshots,
+        runtime: Runtime,
+        storage: SandboxStorage,
+    ) -> None:
+        self.ctx = ctx
+        self.table = table
+        self.booter = booter
+        self.templates = templates
+        self.pool = pool
+        self.boot_snapshots = boot_snapshots
+        self.runtime = runtime
+        self.storage = storage
+
+    async def create(self, req: CreateRequest, timings: Timings | None = None) -> SandboxRecord:
+        t = timings or Timings()
+        s = self.ctx.settings
+        tpl = await self.templates.get(req.template_id)
+        timeout = s.default_timeout if req.timeout is None else req.timeout
+        check_timeout(timeout, s)
+        if tpl.has_memory:
+            # A snapshot carries memory: the sandbox continues from it with its recorded size.
+            cpu, mem = (
+                int(tpl.cpu_count or s.default_cpu_count),
+                int(tpl.memory_mb or s.default_memory_mb),
+            )
+        else:
+            cpu = req.cpu_count or tpl.cpu_count or s.default_cpu_count
+            mem = req.memory_mb or tpl.memory_mb or s.default_memory_mb
+        names = tpl.names
+        alias = req.template_id if req.template_id in names else (names[0] if names else None)
+        warm = self.pool.take(tpl, cpu, mem)
+        if warm is not None:
+            adopted = await self.pool.adopt(warm, req, alias, timeout, t)
+            if adopted is not None:
+                return adopted
+        self.table.reserve(mem)
+        boot = self.boot_snapshots.for_shape(tpl, cpu, mem)
+        r = self.booter.new_record(
+            tpl,
+            req,
+            alias=alias,
+            timeout=timeout,
+            cpu=cpu,
+            mem=mem,
+            layers=None if boot is None else boot.layers,
+        )
+        self.table.add(r)
+        fetching = t.stage("fetch") if self.templates.has_repository else contextlib.nullcontext()
+        try:
+            await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, r.layers)
+            with fetching:
+                await self.templates.ensure_layers(tpl)
+            if tpl.has_memory:
+                with fetching:
+                    image = await self.templates.image_of(tpl)
+                await self.booter.boot(r, t, image=image, init_from=tpl.envd_token or None)
+            elif boot is not None:
+                await self.booter.boot(r, t, image=self.templates.local_image(boot))
+            else:
+                await self.booter.boot(r, t)
+        except BaseException:
+            self.table.discard(r.sandbox_id)
+            await self.booter.forget(r)
+            raise
+        r.state = SandboxState.RUNNING
+        # The clock starts at readiness, so a slow boot doesn't eat the user's timeout.
+        r.end_at = self.ctx.now() + timedelta(seconds=timeout)
+        await self.table.save(r)
+        self.booter.squash_later(r)
+        return r
+
+    async def kill(self, sandbox_id: str) -> None:
+        r = self.table.find(sandbox_id)
+        if r is None or r.state in (*_GONE, SandboxState.CREATING):
+            raise NotFound(f"sandbox {sandbox_id!r} not found")
+        async with self.table.lock(sandbox_id):
+            if r.state in _GONE:
+                raise NotFound(f"sandbox {sandbox_id!r} not found")
+            r.state = SandboxState.KILLING
+            if r.instance:
+                await self.booter.destroy_quietly(r.instance)
+            r.state = SandboxState.KILLED
+            r.instance = None
+            await self.table.delete(r)
+            await self.booter.forget(r)
+            if r.paused is not None and r.paused.image:
+                await self.templates.drop_image(r.paused.image)
+
+    async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
+        r = self.table.get(sandbox_id)
+        check_timeout(timeout, self.ctx.settings)
+        r.end_at = self.ctx.now() + timedelta(seconds=timeout)
+        await self.table.save(r)
+        return r
+
+    async def refresh(self, sandbox_id: str, duration: int | None) -> SandboxRecord:
+        r = self.table.get(sandbox_id)
+        d = self.ctx.settings.default_timeout if duration is None else duration
+        if d < 0 or d > 3600:
+            raise BadRequest("duration must be between 0 and 3600 seconds")
+        r.end_at = max(r.end_at, self.ctx.now() + timedelta(seconds=d))
+        await self.table.save(r)
+        return r
+
+    async def export_layers(self, sandbox_id: str) -> builtins.list[str]:
+        """Ends the sandbox and returns its files as a layer stack (topmost first): the
+        upper is sealed into a new layer on top of the ones it ran on. Template builds
+        commit each step this way."""
+        self.table.get(sandbox_id)
+        async with self.table.lock(sandbox_id):
+            r = self.table.get(sandbox_id)
+            if r.instance:
+                await self.runtime.destroy(r.instance)
+                r.instance = None
+            assert r.upper is not None
+            digest = await asyncio.to_thread(self.storage.seal, Path(r.upper), r.sandbox_id)
+            layers = [digest, *r.layers]
+            r.upper = None
+        await self.kill(sandbox_id)
+        return layers

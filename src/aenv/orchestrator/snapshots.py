@@ -1,0 +1,169 @@
+"""Snapshots: a running (or paused) sandbox's files, memory and processes as a template.
+
+A snapshot checkpoints the sandbox, seals its upper into a read-only layer and restores it
+on a fresh upper over the new stack, in its own network slot (same id, address and
+processes). The snapshot is then a template: that layer stack + the checkpoint image."""
+
+from __future__ import annotations
+
+import builtins
+import re
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from ..domain import (
+    Instance,
+    PauseTier,
+    SandboxRecord,
+    SandboxState,
+    TemplateKind,
+    TemplateRecord,
+    Timings,
+    new_id,
+)
+from ..errors import BadRequest, Conflict
+from ..runtime.base import Runtime
+from .boot import Booter
+from .context import NodeContext
+from .table import SandboxTable
+from .templates import TemplateRegistry
+
+# Brings a snapshotted sandbox back (when the caller asked to run that later).
+Restore = Coroutine[Any, Any, None]
+
+
+class Snapshotter:
+    def __init__(
+        self,
+        ctx: NodeContext,
+        table: SandboxTable,
+        booter: Booter,
+        runtime: Runtime,
+        templates: TemplateRegistry,
+    ) -> None:
+        self.ctx = ctx
+        self.table = table
+        self.booter = booter
+        self.runtime = runtime
+        self.templates = templates
+
+    async def snapshot(
+        self,
+        sandbox_id: str,
+        name: str | None = None,
+        timings: Timings | None = None,
+        *,
+        template_id: str | None = None,
+        parent: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> TemplateRecord:
+        """Makes a template of the sandbox's files, memory and processes; it keeps running.
+        `template_id` (a template build) names the result instead of a new snapshot id."""
+        t = timings or Timings()
+        self.table.get(sandbox_id)
+        if name is not None:
+            check_name(name)
+            if await self.templates.find(name) is not None:
+                raise Conflict(f"a template or snapshot named {name!r} already exists")
+        async with self.table.lock(sandbox_id):
+            r = self.table.get(sandbox_id)
+            snap, _ = await self.take(
+                r,
+                t,
+                names=[name] if name else [],
+                snap_id=template_id,
+                parent=parent,
+                extra=extra,
+            )
+        return snap
+
+    async def take(
+        self,
+        r: SandboxRecord,
+        t: Timings,
+        *,
+        names: builtins.list[str],
+        internal: bool = False,
+        snap_id: str | None = None,
+        parent: str | None = None,
+        extra: dict[str, Any] | None = None,
+        boot_of: TemplateRecord | None = None,
+        restore_later: bool = False,
+    ) -> tuple[TemplateRecord, Restore | None]:
+        """Checkpoints the sandbox (its lock held) and registers the snapshot; the sandbox is
+        back when this returns, or (`restore_later`) when the returned coroutine has run:
+        the snapshot is usable before that, so fork children restore while the parent does.
+        `boot_of`: the template this is the boot snapshot of."""
+        snap_id = snap_id or new_id("s")
+        back: Restore | None = None
+        tier = r.tier
+        if r.state is SandboxState.RUNNING or tier is PauseTier.FROZEN:
+            assert r.instance is not None
+            inst = r.instance
+            image = await self.templates.fresh_image(snap_id)
+            if tier is PauseTier.FROZEN:
+                with t.stage("thaw"):
+                    await self.runtime.thaw(inst)
+            with t.stage("checkpoint"):
+                await self.runtime.checkpoint(inst, image, leave_running=False)
+            with t.stage("stop"):
+                await self.runtime.stop(inst)
+            await self.booter.seal(r, t)
+            back = self._restore(r, t, image, inst, refreeze=tier is PauseTier.FROZEN)
+            if not restore_later:
+                await back
+                back = None
+        elif tier is PauseTier.HIBERNATED:
+            # Already on disk (hibernation sealed the files): the snapshot shares its image.
+            assert r.paused is not None and r.paused.image is not None
+            async with self.templates.hibernation_image(r.paused.image, r.sandbox_id) as src:
+                await self.templates.link_image(src, snap_id)
+        else:
+            raise Conflict(f"sandbox {r.sandbox_id!r} cannot be snapshotted while {r.state}")
+        snap = TemplateRecord(
+            template_id=snap_id,
+            kind=TemplateKind.SNAPSHOT,
+            layers=list(r.layers),
+            names=names,
+            internal=internal,
+            checkpoint=snap_id,
+            env=dict(r.boot.env),
+            user=r.boot.user,
+            workdir=r.boot.workdir,
+            cpu_count=r.cpu_count,
+            memory_mb=r.memory_mb,
+            created_at=self.ctx.now().isoformat(),
+            parent=parent or r.template_id,
+            sandbox_id=r.sandbox_id,
+            envd_token=r.envd_access_token,
+            env_vars=dict(r.env_vars),
+            extra=dict(extra or {}),
+        )
+        if boot_of is not None:
+            snap.boot_of = boot_of.template_id
+            snap.boot_from_layers = list(boot_of.layers)
+            snap.boot_run = self.ctx.run_id
+        try:
+            await self.templates.register(snap)
+            await self.table.save(r)
+        except BaseException:
+            if back is not None:
+                await back  # the sandbox comes back all the same
+            raise
+        return snap, back
+
+    async def _restore(
+        self, r: SandboxRecord, t: Timings, image: Path, stopped: Instance, *, refreeze: bool
+    ) -> None:
+        await self.booter.restore_in_place(r, t, image, stopped)
+        if refreeze:
+            assert r.instance is not None
+            await self.runtime.freeze(r.instance)
+
+
+def check_name(name: str) -> None:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}", name):
+        raise BadRequest(
+            f"invalid snapshot name {name!r}: use letters, digits and _.:/- (max 128 chars)"
+        )

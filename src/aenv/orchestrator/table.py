@@ -1,0 +1,98 @@
+"""The node's sandboxes in memory: records (written to the catalog on every change), one lock
+per sandbox so lifecycle operations on one sandbox never interleave, and the memory budget."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+
+from ..domain import HOLDS_MEMORY, LIVE_STATES, SandboxRecord, SandboxState
+from ..errors import NotFound, Unavailable
+from .catalog import Catalog
+
+# States in which a sandbox id means nothing to its user.
+_HIDDEN = frozenset({SandboxState.KILLED, SandboxState.KILLING, SandboxState.CREATING})
+
+
+class SandboxTable:
+    def __init__(self, catalog: Catalog, memory_budget_mb: int) -> None:
+        self.catalog = catalog
+        self.memory_budget_mb = memory_budget_mb
+        self._records: dict[str, SandboxRecord] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def add(self, r: SandboxRecord) -> None:
+        self._records[r.sandbox_id] = r
+
+    def discard(self, sandbox_id: str) -> None:
+        self._records.pop(sandbox_id, None)
+        self._locks.pop(sandbox_id, None)
+
+    def find(self, sandbox_id: str) -> SandboxRecord | None:
+        """The record whatever its state (internal callers)."""
+        return self._records.get(sandbox_id)
+
+    def get(self, sandbox_id: str) -> SandboxRecord:
+        """The record as its user may see it; NotFound otherwise."""
+        r = self._records.get(sandbox_id)
+        if r is None or r.state in _HIDDEN:
+            raise NotFound(f"sandbox {sandbox_id!r} not found")
+        if r.state is SandboxState.LOST:
+            raise NotFound(f"sandbox {sandbox_id!r} was lost: {r.note}")
+        return r
+
+    def all(self) -> builtins.list[SandboxRecord]:
+        return list(self._records.values())
+
+    def lock(self, sandbox_id: str) -> asyncio.Lock:
+        lock = self._locks.get(sandbox_id)
+        if lock is None:
+            lock = self._locks[sandbox_id] = asyncio.Lock()
+        return lock
+
+    async def stored(self) -> builtins.list[SandboxRecord]:
+        """What the catalog holds (at start-up, before anything is in memory)."""
+        return await asyncio.to_thread(self.catalog.sandboxes)
+
+    async def save(self, r: SandboxRecord) -> None:
+        await asyncio.to_thread(self.catalog.put_sandbox, r)
+
+    async def delete(self, r: SandboxRecord) -> None:
+        """Forgets the sandbox here and in the catalog."""
+        self.discard(r.sandbox_id)
+        await asyncio.to_thread(self.catalog.delete_sandbox, r.sandbox_id)
+
+    def list(
+        self,
+        *,
+        metadata: dict[str, str] | None = None,
+        states: set[str] | None = None,
+        template: str | None = None,
+    ) -> builtins.list[SandboxRecord]:
+        out = []
+        for r in self._records.values():
+            if r.state not in LIVE_STATES:
+                continue
+            api_state = "paused" if r.state is SandboxState.PAUSED else "running"
+            if states and api_state not in states:
+                continue
+            if template and template not in (r.template_id, r.alias):
+                continue
+            if metadata and any(r.metadata.get(k) != v for k, v in metadata.items()):
+                continue
+            out.append(r)
+        out.sort(key=lambda r: (r.started_at, r.sandbox_id))
+        return out
+
+    def memory_in_use(self) -> int:
+        return sum(r.memory_mb for r in self._records.values() if r.state in HOLDS_MEMORY)
+
+    def reserve(self, memory_mb: int) -> None:
+        """Admission: refuses a sandbox the memory budget cannot hold. The caller adds its
+        record (in a state that holds memory) before it next yields to the loop."""
+        used = self.memory_in_use()
+        if used + memory_mb > self.memory_budget_mb:
+            raise Unavailable(
+                f"not enough memory on this node: {used} MiB of {self.memory_budget_mb} MiB "
+                f"in use, {memory_mb} MiB requested"
+            )

@@ -1,0 +1,348 @@
+"""The node's lifecycle state machine, whole, on the fake runtime and a fake clock: timeouts,
+pause tiers and the way back, snapshots and fork with failures, restart recovery, and
+concurrent operations on one sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from tests.node_harness import Harness, build, started
+
+from aenv.domain import CreateRequest, PauseTier, SandboxState, TemplateKind
+from aenv.errors import Conflict, NotFound, RuntimeFailure, Unavailable
+from aenv.runtime.fake import FakeState
+
+
+@pytest.fixture
+async def node(tmp_path: Path) -> AsyncIterator[Harness]:
+    async for h in started(tmp_path):
+        yield h
+
+
+def write_file(h: Harness, sandbox_id: str, name: str, text: str) -> None:
+    """What a process in the sandbox writing a file leaves on the host: a file in its upper."""
+    upper = h.orch.get(sandbox_id).upper
+    assert upper is not None
+    (Path(upper) / name).write_text(text)
+
+
+# ---------------------------------------------------------------------------- timeouts
+async def test_timeout_kills_a_sandbox(node: Harness) -> None:
+    r = await node.orch.create(CreateRequest(timeout=30))
+    inst = r.instance
+    assert inst is not None
+    node.clock.advance(29)
+    await node.orch.tick()
+    assert node.orch.get(r.sandbox_id).state is SandboxState.RUNNING
+    node.clock.advance(2)
+    await node.orch.tick()
+    with pytest.raises(NotFound):
+        node.orch.get(r.sandbox_id)
+    assert node.runtime.state(inst) is FakeState.GONE
+    assert node.catalog.sandboxes() == []
+
+
+async def test_timeout_with_auto_pause_pauses(node: Harness) -> None:
+    keep = await node.orch.create(CreateRequest(timeout=10, auto_pause=True))
+    files = await node.orch.create(
+        CreateRequest(timeout=10, auto_pause=True, auto_pause_memory=False)
+    )
+    node.clock.advance(11)
+    await node.orch.tick()
+    assert node.orch.get(keep.sandbox_id).tier is PauseTier.FROZEN
+    assert node.orch.get(files.sandbox_id).tier is PauseTier.FILES
+    assert node.orch.get(files.sandbox_id).instance is None
+
+
+async def test_refresh_and_set_timeout_move_the_deadline(node: Harness) -> None:
+    r = await node.orch.create(CreateRequest(timeout=10))
+    node.clock.advance(8)
+    await node.orch.set_timeout(r.sandbox_id, 60)
+    node.clock.advance(30)
+    await node.orch.tick()
+    assert node.orch.get(r.sandbox_id).state is SandboxState.RUNNING
+
+
+# ---------------------------------------------------------------------------- pause tiers
+async def test_frozen_hibernates_after_idle(node: Harness) -> None:
+    r = await node.orch.create(CreateRequest())
+    inst = r.instance
+    assert inst is not None
+    await node.orch.pause(r.sandbox_id)
+    assert node.runtime.state(inst) is FakeState.FROZEN
+    node.clock.advance(30)
+    await node.orch.tick()
+    assert node.orch.get(r.sandbox_id).tier is PauseTier.FROZEN
+    node.clock.advance(31)
+    await node.orch.tick()
+    rec = node.orch.get(r.sandbox_id)
+    assert rec.tier is PauseTier.HIBERNATED
+    assert rec.instance is None
+    assert node.runtime.state(inst) is FakeState.GONE
+    assert rec.paused is not None and rec.paused.image is not None
+    assert node.runtime.image_complete(node.settings.images_dir / rec.paused.image)
+
+
+@pytest.mark.parametrize("tier", [PauseTier.FROZEN, PauseTier.HIBERNATED, PauseTier.FILES])
+async def test_resume_from_each_tier(node: Harness, tier: PauseTier) -> None:
+    r = await node.orch.create(CreateRequest())
+    write_file(node, r.sandbox_id, "note.txt", "kept")
+    await node.orch.pause(r.sandbox_id, memory=tier is not PauseTier.FILES)
+    if tier is PauseTier.HIBERNATED:
+        await node.orch.hibernate(r.sandbox_id)
+    assert node.orch.get(r.sandbox_id).tier is tier
+    node.runtime.calls.clear()
+
+    back, resumed = await node.orch.connect(r.sandbox_id, 120)
+    assert resumed and back.state is SandboxState.RUNNING and back.paused is None
+    assert back.instance is not None
+    assert node.runtime.state(back.instance) is FakeState.RUNNING
+    expected = {
+        PauseTier.FROZEN: "thaw",
+        PauseTier.HIBERNATED: "restore",
+        PauseTier.FILES: "create",
+    }
+    assert expected[tier] in node.runtime.ops()
+    # The files are there whichever way it came back (in a sealed layer or the kept upper).
+    stack = [node.orch.layer_path(d) for d in back.layers]
+    assert back.upper is not None
+    found = [p / "note.txt" for p in [Path(back.upper), *stack] if (p / "note.txt").exists()]
+    assert [f.read_text() for f in found] == ["kept"]
+    assert (back.end_at - node.clock.now).total_seconds() == 120
+
+
+async def test_pause_twice_conflicts_and_resume_of_running_only_extends(node: Harness) -> None:
+    r = await node.orch.create(CreateRequest(timeout=30))
+    _, resumed = await node.orch.connect(r.sandbox_id, 100)
+    assert not resumed
+    assert (node.orch.get(r.sandbox_id).end_at - node.clock.now).total_seconds() == 100
+    await node.orch.pause(r.sandbox_id)
+    with pytest.raises(Conflict):
+        await node.orch.pause(r.sandbox_id)
+
+
+async def test_failed_resume_leaves_it_paused(node: Harness) -> None:
+    r = await node.orch.create(CreateRequest())
+    await node.orch.pause(r.sandbox_id)
+    await node.orch.hibernate(r.sandbox_id)
+    node.runtime.fail_next("restore")
+    with pytest.raises(RuntimeFailure):
+        await node.orch.connect(r.sandbox_id, 60)
+    assert node.orch.get(r.sandbox_id).tier is PauseTier.HIBERNATED
+    back, resumed = await node.orch.connect(r.sandbox_id, 60)
+    assert resumed and back.state is SandboxState.RUNNING
+
+
+async def test_proxy_resolve_resumes_only_with_auto_resume(node: Harness) -> None:
+    plain = await node.orch.create(CreateRequest())
+    auto = await node.orch.create(CreateRequest(auto_resume=True))
+    for r in (plain, auto):
+        await node.orch.pause(r.sandbox_id)
+    with pytest.raises(Exception, match="paused"):
+        await node.orch.resolve(plain.sandbox_id, 8080)
+    address, port = await node.orch.resolve(auto.sandbox_id, 8080)
+    assert port == 8080 and address == node.orch.get(auto.sandbox_id).address
+    assert node.orch.get(auto.sandbox_id).state is SandboxState.RUNNING
+
+
+# ---------------------------------------------------------------------------- snapshots
+async def test_snapshot_keeps_the_sandbox_and_seals_its_files(node: Harness) -> None:
+    r = await node.orch.create(CreateRequest())
+    address = r.address
+    write_file(node, r.sandbox_id, "a.txt", "1")
+    snap = await node.orch.snapshot(r.sandbox_id, "snap-1")
+    rec = node.orch.get(r.sandbox_id)
+    assert rec.state is SandboxState.RUNNING and rec.address == address
+    assert snap.kind is TemplateKind.SNAPSHOT and snap.checkpoint is not None
+    assert snap.layers == rec.layers and len(snap.layers) == 2
+    assert (node.orch.layer_path(snap.layers[0]) / "a.txt").read_text() == "1"
+    assert rec.upper is not None and not any(Path(rec.upper).iterdir())
+    assert [s.template_id for s in await node.orch.snapshots()] == [snap.template_id]
+
+    child = await node.orch.create(CreateRequest(template_id="snap-1"))
+    assert child.layers == snap.layers and child.instance is not None
+    assert node.runtime.ops().count("restore") >= 2  # the parent in place, then the child
+    with pytest.raises(Conflict):
+        await node.orch.snapshot(r.sandbox_id, "snap-1")
+
+
+async def test_snapshot_whose_restore_fails_marks_the_sandbox_lost(node: Harness) -> None:
+    r = await node.orch.create(CreateRequest())
+    node.runtime.fail_next("restore")
+    with pytest.raises(RuntimeFailure):
+        await node.orch.snapshot(r.sandbox_id)
+    with pytest.raises(NotFound, match="lost"):
+        node.orch.get(r.sandbox_id)
+    assert node.runtime.instances() == []
+
+
+async def test_snapshot_of_a_frozen_sandbox_leaves_it_frozen(node: Harness) -> None:
+    r = await node.orch.create(CreateRequest())
+    await node.orch.pause(r.sandbox_id)
+    await node.orch.snapshot(r.sandbox_id)
+    rec = node.orch.get(r.sandbox_id)
+    assert rec.tier is PauseTier.FROZEN and rec.instance is not None
+    assert node.runtime.state(rec.instance) is FakeState.FROZEN
+
+
+# ---------------------------------------------------------------------------- fork
+async def test_fork_children_and_parent(node: Harness) -> None:
+    parent = await node.orch.create(CreateRequest(metadata={"k": "v"}))
+    write_file(node, parent.sandbox_id, "f", "x")
+    results = await node.orch.fork(parent.sandbox_id, 3)
+    kids = [res.sandbox for res in results if res.sandbox is not None]
+    assert len(kids) == 3 and all(res.error is None for res in results)
+    addresses = {k.address for k in kids} | {node.orch.get(parent.sandbox_id).address}
+    assert len(addresses) == 4
+    for k in kids:
+        assert k.parent_id == parent.sandbox_id and k.metadata == {"k": "v"}
+        assert k.layers == node.orch.get(parent.sandbox_id).layers
+        assert k.envd_access_token != parent.envd_access_token or not k.envd_access_token
+    # The fork's snapshot is gone; the children's layers stay.
+    assert await node.orch.snapshots() == []
+    assert all(node.orch.has_layer(d) for d in kids[0].layers)
+
+
+async def test_fork_with_a_failing_child_reports_it(node: Harness) -> None:
+    parent = await node.orch.create(CreateRequest())
+    # The parent's in-place restore is the first restore; the second child's fails.
+    node.runtime.fail_next("restore", after=2)
+    results = await node.orch.fork(parent.sandbox_id, 3)
+    assert sum(res.sandbox is not None for res in results) == 2
+    errors = [res.error for res in results if res.error is not None]
+    assert len(errors) == 1 and "injected" in errors[0].message
+    assert node.orch.get(parent.sandbox_id).state is SandboxState.RUNNING
+    assert len(node.orch.list()) == 3
+
+
+async def test_fork_past_the_memory_budget(tmp_path: Path) -> None:
+    async for h in started(tmp_path, max_memory_mb=1536):
+        parent = await h.orch.create(CreateRequest())
+        results = await h.orch.fork(parent.sandbox_id, 3)
+        assert sum(res.sandbox is not None for res in results) == 2
+        assert any(isinstance(res.error, Unavailable) for res in results)
+        with pytest.raises(Unavailable):
+            await h.orch.create(CreateRequest())
+
+
+async def test_fork_of_a_paused_sandbox_conflicts(node: Harness) -> None:
+    r = await node.orch.create(CreateRequest())
+    await node.orch.pause(r.sandbox_id)
+    with pytest.raises(Conflict):
+        await node.orch.fork(r.sandbox_id, 1)
+
+
+# ---------------------------------------------------------------------------- restarts
+async def test_restart_recovers_each_state(tmp_path: Path) -> None:
+    h = build(tmp_path)
+    await h.orch.start(timers=False)
+    running = await h.orch.create(CreateRequest())
+    frozen = await h.orch.create(CreateRequest())
+    hibernated = await h.orch.create(CreateRequest())
+    files = await h.orch.create(CreateRequest())
+    died = await h.orch.create(CreateRequest())
+    await h.orch.pause(frozen.sandbox_id)
+    await h.orch.pause(hibernated.sandbox_id)
+    await h.orch.hibernate(hibernated.sandbox_id)
+    await h.orch.pause(files.sandbox_id, memory=False)
+    assert died.instance is not None
+    h.host.kill(died.instance.id)
+    # kill -9 of the server: no close(); the containers stay on the host.
+    h2 = await h.restart()
+    await h2.orch.start(timers=False)
+    try:
+        assert h2.orch.get(running.sandbox_id).state is SandboxState.RUNNING
+        assert h2.orch.get(running.sandbox_id).address == running.address
+        assert h2.orch.get(frozen.sandbox_id).tier is PauseTier.FROZEN
+        assert h2.orch.get(hibernated.sandbox_id).tier is PauseTier.HIBERNATED
+        assert h2.orch.get(files.sandbox_id).tier is PauseTier.FILES
+        with pytest.raises(NotFound, match="lost"):
+            h2.orch.get(died.sandbox_id)
+        assert {r.sandbox_id for r in h2.orch.list()} == {
+            running.sandbox_id,
+            frozen.sandbox_id,
+            hibernated.sandbox_id,
+            files.sandbox_id,
+        }
+        for r in (frozen, hibernated, files):
+            back, resumed = await h2.orch.connect(r.sandbox_id, 60)
+            assert resumed and back.state is SandboxState.RUNNING
+    finally:
+        await h2.orch.close()
+        h2.catalog.close()
+
+
+async def test_clean_shutdown_hibernates_frozen_sandboxes(tmp_path: Path) -> None:
+    h = build(tmp_path)
+    await h.orch.start(timers=False)
+    r = await h.orch.create(CreateRequest())
+    await h.orch.pause(r.sandbox_id)
+    await h.orch.close()
+    h2 = await h.restart()
+    await h2.orch.start(timers=False)
+    try:
+        assert h2.orch.get(r.sandbox_id).tier is PauseTier.HIBERNATED
+        assert h2.runtime.instances() == []
+    finally:
+        await h2.orch.close()
+        h2.catalog.close()
+
+
+# ---------------------------------------------------------------------------- concurrency
+async def test_concurrent_pause_and_kill(node: Harness) -> None:
+    r = await node.orch.create(CreateRequest())
+    results = await asyncio.gather(
+        node.orch.pause(r.sandbox_id), node.orch.kill(r.sandbox_id), return_exceptions=True
+    )
+    assert not any(isinstance(x, Exception) and not isinstance(x, NotFound) for x in results)
+    with pytest.raises(NotFound):
+        node.orch.get(r.sandbox_id)
+    assert node.runtime.instances() == []
+
+
+async def test_concurrent_pauses_one_wins(node: Harness) -> None:
+    r = await node.orch.create(CreateRequest())
+    results = await asyncio.gather(
+        *(node.orch.pause(r.sandbox_id) for _ in range(3)), return_exceptions=True
+    )
+    assert sum(x is None for x in results) == 1
+    assert all(isinstance(x, Conflict) for x in results if x is not None)
+
+
+async def test_snapshot_and_kill_do_not_interleave(node: Harness) -> None:
+    r = await node.orch.create(CreateRequest())
+    release = asyncio.Event()
+
+    async def hold(_call: object) -> None:
+        await release.wait()
+
+    node.runtime.before("checkpoint", hold)
+    snap = asyncio.create_task(node.orch.snapshot(r.sandbox_id))
+    await asyncio.sleep(0.01)
+    kill = asyncio.create_task(node.orch.kill(r.sandbox_id))
+    await asyncio.sleep(0.01)
+    assert not kill.done()  # waits for the snapshot's lock
+    release.set()
+    made = await snap
+    await kill
+    assert made.checkpoint is not None
+    assert node.runtime.instances() == []
+
+
+# ---------------------------------------------------------------------------- warm pool
+async def test_warm_pool_hands_out_a_preboted_sandbox(tmp_path: Path) -> None:
+    async for h in started(tmp_path, sandbox_pool_size=1):
+        for _ in range(100):
+            if any(op == "create" for op in h.runtime.ops()):
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        booted = len(h.runtime.instances())
+        assert booted == 1
+        r = await h.orch.create(CreateRequest(metadata={"a": "b"}, env_vars={"X": "1"}))
+        assert r.metadata == {"a": "b"}
+        assert h.envd.inits[-1][1]["env_vars"] == {"LANG": "C.UTF-8", "X": "1"}
+        assert h.runtime.ops().count("create") == 1  # no boot for the create itself
