@@ -1,15 +1,144 @@
-"""Settings, built once (defaults < TOML file < AENV_* environment) and passed down."""
+"""Settings, built once (defaults < TOML file < AENV_* environment) and passed down.
+
+`Settings` holds the node-wide knobs and two sections, `images` (`ImageSettings`) and
+`snapshots` (`SnapshotSettings`), which the image and snapshot code take on their own. A
+section's fields are set by the same flat names as the others: ``AENV_LAYER_CACHE_GB`` in the
+environment, ``layer_cache_gb = 5`` at the top of the TOML file, or the same key in the
+section's table (``[images]`` / ``[snapshots]``), which wins over a flat one.
+
+List-valued image settings accept a TOML/JSON list or a comma-separated string::
+
+    AENV_INSECURE_REGISTRIES=127.0.0.1:5000,registry.lan:5000
+    AENV_SEARCH_REGISTRIES=docker.io,quay.io
+    AENV_ALLOWED_REGISTRIES=docker.io,ghcr.io      # empty: every registry is allowed
+    AENV_REGISTRY_CREDENTIALS='{"ghcr.io": "user:token"}'
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import secrets
 import tomllib
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
+
+GIB = 1 << 30
+
+Compression = Literal["auto", "none", "zstd"]
+
+
+def _split_list(value: Any) -> Any:
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return value
+
+
+class ImageSettings(BaseModel):
+    """Registries, pulls and the layer cache bound."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    # Registries reached over plain HTTP (`host:port`, as written in references). Every other
+    # registry is spoken to over HTTPS with certificate verification.
+    insecure_registries: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Where short names (`ubuntu`, `org/app`) are looked up, in order.
+    search_registries: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["docker.io"])
+    # When non-empty, only these registries may be pulled from.
+    allowed_registries: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # host -> "user:password" (takes precedence over the docker config file).
+    registry_credentials: dict[str, str] = Field(default_factory=dict)
+    # A docker `config.json` (default: $DOCKER_CONFIG/config.json, else ~/.docker/config.json).
+    docker_config: Path | None = None
+    # Layers downloaded at once per pull.
+    pull_concurrency: int = Field(default=3, ge=1, le=32)
+    # `os/arch[/variant]` to select from multi-platform images (default: the host's).
+    pull_platform: str | None = None
+
+    # The layer cache: capacity in GiB (0 = unbounded) and watermarks as fractions of it.
+    # When usage exceeds `high`, unreferenced layers are evicted (least recently used first)
+    # until usage is below `low`.
+    layer_cache_gb: float = Field(default=20.0, ge=0)
+    layer_cache_high: float = Field(default=0.9, gt=0, le=1)
+    layer_cache_low: float = Field(default=0.7, gt=0, le=1)
+
+    @field_validator(
+        "insecure_registries", "search_registries", "allowed_registries", mode="before"
+    )
+    @classmethod
+    def _lists(cls, value: Any) -> Any:
+        return _split_list(value)
+
+    @field_validator("insecure_registries", "search_registries", "allowed_registries")
+    @classmethod
+    def _hosts(cls, value: list[str]) -> list[str]:
+        from .images.reference import normalize_registry
+
+        return [normalize_registry(v) for v in value]
+
+    @model_validator(mode="after")
+    def _watermarks(self) -> ImageSettings:
+        if self.layer_cache_low > self.layer_cache_high:
+            raise ValueError("layer_cache_low must not exceed layer_cache_high")
+        return self
+
+    @property
+    def layer_cache_bytes(self) -> int:
+        return int(self.layer_cache_gb * GIB)
+
+
+class SnapshotSettings(BaseModel):
+    """The snapshot repository and the node's cache of memory images.
+
+    ``snapshot_repo`` (``AENV_SNAPSHOT_REPO``)
+        ``file:///abs/path`` (default: ``file://$AENV_HOME/repo``) or ``s3://bucket[/prefix]``.
+    ``s3_endpoint``, ``s3_region``
+        For S3-compatible servers (MinIO, Ceph, moto, R2...). Path-style requests are used
+        when an endpoint is set; ``http://`` endpoints are allowed. Credentials come from the
+        standard ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and ``AWS_SESSION_TOKEN``.
+    ``snapshot_cache_size``
+        Bound of the local checkpoint-image cache, e.g. ``20GiB`` (bytes owned by the cache
+        only: files hard-linked with a local repository cost nothing and are not counted).
+    ``snapshot_compression``
+        ``auto`` (zstd for layer tars everywhere and for checkpoint files on S3, none for
+        checkpoint files in a local repository, so they can be hard-linked), ``zstd`` or
+        ``none``.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    snapshot_repo: str | None = None
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    # A whole-object GET streams within one request; it must outlive a 1 GiB download.
+    s3_timeout_seconds: float = 3600.0
+    s3_part_size: ByteSize = ByteSize(8 * 1024 * 1024)
+    s3_concurrency: int = 4
+
+    snapshot_cache_size: ByteSize = ByteSize(20 * 1024**3)
+    snapshot_compression: Compression = "auto"
+    snapshot_zstd_level: int = 1
+    # Objects no manifest references are swept only once older than this (another node may
+    # be publishing them right now). Objects of a deleted manifest are swept at once.
+    snapshot_gc_grace_seconds: float = 3600.0
+
+
+# The sections of `Settings`, by field name. Their fields share the flat AENV_ namespace.
+_SECTIONS: dict[str, type[BaseModel]] = {"images": ImageSettings, "snapshots": SnapshotSettings}
 
 
 class Settings(BaseSettings):
@@ -64,6 +193,9 @@ class Settings(BaseSettings):
     # Where `aenv template build-base` downloads Debian packages from (None: the host's mirror).
     debian_mirror: str | None = None
 
+    images: ImageSettings = Field(default_factory=ImageSettings)
+    snapshots: SnapshotSettings = Field(default_factory=SnapshotSettings)
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -73,7 +205,7 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _TomlSource(settings_cls))
+        return (init_settings, _EnvSource(settings_cls), _TomlSource(settings_cls))
 
     @property
     def host(self) -> str:
@@ -115,6 +247,16 @@ class Settings(BaseSettings):
         return self.home / "images"
 
     @property
+    def cache_dir(self) -> Path:
+        """The node's caches of fetched artifacts (memory images) and their staging area."""
+        return self.home / "cache"
+
+    @property
+    def repo_dir(self) -> Path:
+        """The local snapshot repository, unless `snapshots.snapshot_repo` names another."""
+        return self.home / "repo"
+
+    @property
     def catalog_path(self) -> Path:
         return self.home / "catalog.db"
 
@@ -137,15 +279,39 @@ class Settings(BaseSettings):
         return key
 
 
+class _EnvSource(EnvSettingsSource):
+    """``AENV_<FIELD>`` for the top-level fields, and the same flat names for the fields of
+    each section (``AENV_LAYER_CACHE_GB`` sets ``images.layer_cache_gb``)."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        if field_name in _SECTIONS:
+            return None, field_name, False
+        return super().get_field_value(field, field_name)
+
+    def __call__(self) -> dict[str, Any]:
+        data = super().__call__()
+        for name, section in _SECTIONS.items():
+            values = EnvSettingsSource(_env_reader(section))()
+            if values:
+                data[name] = values
+        return data
+
+
+def _env_reader(section: type[BaseModel]) -> type[BaseSettings]:
+    """`section` as a BaseSettings class, so that pydantic-settings decodes its variables
+    exactly as it does the top-level ones (JSON for dicts, `NoDecode` lists left raw)."""
+    config = SettingsConfigDict(env_prefix="AENV_", extra="ignore")
+    return type(f"_{section.__name__}Env", (BaseSettings, section), {"model_config": config})
+
+
 class _TomlSource(PydanticBaseSettingsSource):
-    """Reads `$AENV_CONFIG_FILE` or `$AENV_HOME/config.toml` when present."""
+    """Reads `$AENV_CONFIG_FILE` or `$AENV_HOME/config.toml` when present. A section's keys
+    may stand at the top (flat, like the environment) or in its own table."""
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        import os
-
         path = os.environ.get("AENV_CONFIG_FILE")
         if not path:
             home = os.environ.get("AENV_HOME", "/var/lib/aenv")
@@ -153,8 +319,19 @@ class _TomlSource(PydanticBaseSettingsSource):
         p = Path(path)
         if not p.is_file():
             return {}
-        with p.open("rb") as f:
-            return tomllib.load(f)
+        try:
+            with p.open("rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise SettingsError(f"{p}: not valid TOML: {e}") from None
+        for name, section in _SECTIONS.items():
+            flat = {k: data.pop(k) for k in list(data) if k in section.model_fields}
+            table = data.get(name, {})
+            if not isinstance(table, dict):
+                raise SettingsError(f"{p}: {name!r} must be a table ([{name}])")
+            if flat or table:
+                data[name] = {**flat, **table}
+        return data
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -39,12 +39,13 @@ import httpx
 import pytest
 import zstandard
 
+from aenv.config import GIB, ImageSettings
 from aenv.errors import NotFound, Unauthorized, Unavailable
 from aenv.images.cache import LayerCache
 from aenv.images.layers import LayerStore
+from aenv.images.manifests import DigestMismatch
 from aenv.images.pull import LayerProgress, pull
-from aenv.images.registry import DigestMismatch, RegistryClient
-from aenv.images.settings import GIB, ImageSettings
+from aenv.images.registry import RegistryClient
 
 REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
 SKOPEO = shutil.which("skopeo")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from aenv.config import ImageSettings, Settings
 from aenv.errors import BadRequest, Forbidden
 from aenv.images.reference import (
     Reference,
@@ -12,7 +15,6 @@ from aenv.images.reference import (
     normalize_registry,
     parse_reference,
 )
-from aenv.images.settings import ImageSettings
 
 D = "sha256:" + "a" * 64
 
@@ -85,13 +87,14 @@ def test_candidates_search_and_allowlist() -> None:
         candidates("app", s)
 
 
-def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("AENV_CONFIG_FILE", str(tmp_path / "absent.toml"))
     monkeypatch.setenv("AENV_INSECURE_REGISTRIES", "127.0.0.1:5000, localhost:5001")
     monkeypatch.setenv("AENV_SEARCH_REGISTRIES", '["quay.io", "index.docker.io"]')
     monkeypatch.setenv("AENV_ALLOWED_REGISTRIES", "")
     monkeypatch.setenv("AENV_REGISTRY_CREDENTIALS", '{"ghcr.io": "u:p"}')
     monkeypatch.setenv("AENV_LAYER_CACHE_GB", "1.5")
-    s = ImageSettings()
+    s = Settings(home=tmp_path).images
     assert s.insecure_registries == ["127.0.0.1:5000", "localhost:5001"]
     assert s.search_registries == ["quay.io", "docker.io"]
     assert s.allowed_registries == []

@@ -23,24 +23,23 @@ from typing import Any
 import httpx
 import pytest
 
+from aenv.config import ImageSettings
 from aenv.errors import BadRequest, Forbidden, NotFound, TooManyRequests, Unauthorized, Unavailable
+from aenv.images.auth import Credential, load_docker_config, parse_challenge
 from aenv.images.cache import LayerCache
 from aenv.images.layers import LayerStore
-from aenv.images.pull import LayerProgress, pull
-from aenv.images.reference import parse_reference
-from aenv.images.registry import (
+from aenv.images.manifests import (
     DOCKER_MANIFEST_LIST,
     OCI_INDEX,
     OCI_MANIFEST,
-    Credential,
+    Descriptor,
     DigestMismatch,
     Platform,
-    RegistryClient,
-    load_docker_config,
-    parse_challenge,
     platform_score,
 )
-from aenv.images.settings import ImageSettings
+from aenv.images.pull import LayerProgress, pull
+from aenv.images.reference import parse_reference
+from aenv.images.registry import RegistryClient
 
 REG = "reg.test:5000"
 
@@ -431,8 +430,6 @@ async def test_blob_download_resumes_after_drops(ranges: bool) -> None:
     data = os.urandom(100_000)
     d = reg.add_blob(data)
     reg.fail_blob_after[d] = [20_480, 61_440]
-    from aenv.images.registry import Descriptor
-
     desc = Descriptor("application/octet-stream", d, len(data))
     async with client_for(reg) as c:
         got = b"".join([ch async for ch in c.iter_blob(REF, desc)])
@@ -449,8 +446,6 @@ async def test_blob_download_gives_up_after_retries() -> None:
     data = os.urandom(50_000)
     d = reg.add_blob(data)
     reg.fail_blob_after[d] = [8192] * 4  # no progress after the first drop
-    from aenv.images.registry import Descriptor
-
     async with client_for(reg) as c:
         with pytest.raises(Unavailable, match="failed at byte"):
             async for _ in c.iter_blob(REF, Descriptor("x", d, len(data))):

@@ -17,16 +17,10 @@ import pytest
 import zstandard
 
 from aenv.errors import BadGateway
-from aenv.images.registry import DigestMismatch
-from aenv.images.unpack import (
-    OPAQUE_XATTR,
-    BlobPipe,
-    InvalidLayer,
-    UnpackResult,
-    detect_compression,
-    run_in_thread,
-    unpack_layer,
-)
+from aenv.images.manifests import DigestMismatch
+from aenv.images.pipe import BlobPipe, run_in_thread
+from aenv.images.streams import InvalidLayer, detect_compression
+from aenv.images.unpack import OPAQUE_XATTR, UnpackResult, unpack_layer
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="unpacking needs root")
 

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from ..config import ImageSettings
 from ..errors import NotFound
-from .layers import LayerInfo, LayerStore, _rmtree, parse_digest
-from .settings import GIB, RegistrySettings
+from ..fsutil import rmtree
+from .layers import LayerInfo, LayerStore, parse_digest
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS layer_refs (
@@ -179,13 +180,13 @@ class LayerCache:
             finally:
                 db.execute("COMMIT")
         for path in trash:
-            _rmtree(path)
+            rmtree(path)
         return GcResult(evicted, freed, usage, capacity)
 
-    def enforce(self, settings: RegistrySettings) -> GcResult:
+    def enforce(self, settings: ImageSettings) -> GcResult:
         """`gc` with the configured bound (`layer_cache_gb`, `layer_cache_high/low`)."""
         return self.gc(
-            int(settings.layer_cache_gb * GIB), settings.layer_cache_high, settings.layer_cache_low
+            settings.layer_cache_bytes, settings.layer_cache_high, settings.layer_cache_low
         )
 
     def _detach(self, digest: str) -> Path | None:

@@ -32,7 +32,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import stat
 import subprocess
 import tempfile
@@ -46,6 +45,7 @@ from typing import Any, Literal
 
 from ..config import Settings
 from ..errors import AenvError, BadRequest, NotFound
+from ..fsutil import fsync_dir, rmtree
 
 DIGEST_RE = re.compile(r"^(sha256|sha512):([0-9a-f]{32,128})$")
 _DIRNAME_RE = re.compile(r"^(sha256|sha512)-([0-9a-f]{32,128})$")
@@ -149,28 +149,6 @@ def _walk_sorted(root: Path) -> Iterator[tuple[str, os.stat_result]]:
         stack.extend(reversed(subdirs))
 
 
-def _rmtree(path: Path) -> None:
-    """rm -rf that also copes with read-only directories (we are root, but be safe)."""
-
-    def onerror(func: Any, p: str, exc_info: Any) -> None:
-        exc = exc_info[1]
-        if isinstance(exc, FileNotFoundError):
-            return
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            func(p)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            raise exc from None
-
-    if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
-        return
-    if path.exists():
-        shutil.rmtree(path, onerror=onerror)
-
-
 def copy_tree(src: Path, dst: Path, *, link: bool) -> None:
     """`cp -a` (or `cp -al`: hard links for files) of src's content into a new dir dst.
 
@@ -183,10 +161,10 @@ def copy_tree(src: Path, dst: Path, *, link: bool) -> None:
     )
     if r.returncode != 0:
         if link and ("cross-device" in r.stderr.lower() or "invalid cross" in r.stderr.lower()):
-            _rmtree(dst)
+            rmtree(dst)
             copy_tree(src, dst, link=False)
             return
-        _rmtree(dst)
+        rmtree(dst)
         raise LayerError(f"cp {flags} {src} {dst} failed: {r.stderr.strip()}")
 
 
@@ -258,7 +236,7 @@ class LayerStore:
         try:
             yield d
         finally:
-            _rmtree(d)
+            rmtree(d)
 
     def add_dir(
         self,
@@ -288,7 +266,7 @@ class LayerStore:
             size, files = tree_size(src)
         if self.has(digest):
             if mode == "move":
-                _rmtree(src)
+                rmtree(src)
             return digest
 
         self.tmp.mkdir(parents=True, exist_ok=True)
@@ -303,7 +281,7 @@ class LayerStore:
                     if e.errno != errno.EXDEV:
                         raise
                     copy_tree(src, rootfs, link=False)
-                    _rmtree(src)
+                    rmtree(src)
             else:
                 copy_tree(src, rootfs, link=(mode == "link"))
             meta = {
@@ -315,7 +293,7 @@ class LayerStore:
                 "source": source,
             }
             (stage / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-            _fsync_dir(stage)
+            fsync_dir(stage)
             try:
                 os.rename(stage, self.layer_dir(digest))
             except OSError as e:
@@ -323,10 +301,10 @@ class LayerStore:
                 if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not self.has(digest):
                     raise
             else:
-                _fsync_dir(self.root)
+                fsync_dir(self.root)
         finally:
             if stage.exists():
-                _rmtree(stage)
+                rmtree(stage)
         return digest
 
     def remove(self, digest: str) -> bool:
@@ -340,7 +318,7 @@ class LayerStore:
             os.rename(d, trash)
         except FileNotFoundError:
             return False
-        _rmtree(trash)
+        rmtree(trash)
         return True
 
     def touch(self, digest: str) -> None:
@@ -360,13 +338,4 @@ class LayerStore:
         """Removes leftovers of interrupted adds/removes (call at startup, single process)."""
         if self.tmp.is_dir():
             for entry in self.tmp.iterdir():
-                _rmtree(entry)
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+                rmtree(entry)

@@ -30,22 +30,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
+from ..config import ImageSettings
 from ..errors import AenvError, BadGateway, BadRequest, NotFound
+from .auth import Credential
 from .cache import LayerCache
 from .layers import LayerStore
-from .reference import Reference, candidates, check_allowed
-from .registry import (
+from .manifests import (
     DOCKER_CONFIG,
     OCI_CONFIG,
-    Credential,
     Descriptor,
     DigestMismatch,
     Platform,
-    RegistryClient,
     ResolvedImage,
 )
-from .settings import RegistrySettings
-from .unpack import BlobPipe, InvalidLayer, UnpackResult, run_in_thread, unpack_layer
+from .pipe import BlobPipe, run_in_thread
+from .reference import Reference, candidates, check_allowed
+from .registry import RegistryClient
+from .streams import InvalidLayer
+from .unpack import UnpackResult, unpack_layer
 
 log = logging.getLogger("aenv.images")
 
@@ -165,7 +167,7 @@ def _check_layer_type(desc: Descriptor, ref: Reference) -> None:
 async def resolve_image(
     client: RegistryClient,
     ref: str | Reference,
-    settings: RegistrySettings,
+    settings: ImageSettings,
     platform: Platform | None = None,
 ) -> ResolvedImage:
     """Resolves a reference on the first search registry that has it."""
@@ -214,7 +216,7 @@ _inflight: dict[tuple[int, str, str], asyncio.Future[None]] = {}
 
 
 async def pull(
-    settings: RegistrySettings,
+    settings: ImageSettings,
     layer_store: LayerStore,
     ref: str | Reference,
     *,

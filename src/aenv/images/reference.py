@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ..errors import BadRequest, Forbidden
 
 if TYPE_CHECKING:
-    from .settings import RegistrySettings
+    from ..config import ImageSettings
 
 DOCKER_HUB = "docker.io"
 DOCKER_HUB_API = "registry-1.docker.io"
@@ -148,7 +148,7 @@ def is_qualified(text: str) -> bool:
     return split_reference(text)[0] is not None
 
 
-def check_allowed(ref: Reference, settings: RegistrySettings) -> None:
+def check_allowed(ref: Reference, settings: ImageSettings) -> None:
     allowed = [normalize_registry(r) for r in settings.allowed_registries]
     if allowed and ref.registry not in allowed:
         raise Forbidden(
@@ -157,7 +157,7 @@ def check_allowed(ref: Reference, settings: RegistrySettings) -> None:
         )
 
 
-def candidates(text: str, settings: RegistrySettings) -> list[Reference]:
+def candidates(text: str, settings: ImageSettings) -> list[Reference]:
     """The references to try for `text`, in order.
 
     Qualified names give exactly one (refused when the allowlist excludes its registry);

@@ -59,7 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BadRequest, NotFound
-from .layers import LayerError, LayerStore, _rmtree, parse_digest
+from ..fsutil import rmtree
+from .layers import LayerError, LayerStore, parse_digest
 from .unpack import OPAQUE_XATTR, _is_whiteout_dev
 
 log = logging.getLogger("aenv.images")
@@ -173,7 +174,7 @@ def merge_layers(layers: Sequence[Path], dest: Path, *, bottom: bool = False) ->
     try:
         return _Merger(roots, dest, bottom=bottom).run()
     except BaseException:
-        _rmtree(dest)
+        rmtree(dest)
         raise
 
 

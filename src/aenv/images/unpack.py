@@ -6,6 +6,9 @@ A layer blob flows through one chain, read once, in one worker thread::
       copy into the partial file ─► gzip (zlib) | zstd (zstandard) | plain ─► diff_id ─►
       tarfile stream mode ─► files under `dest`
 
+The readers are in `streams`, the hand-off from the event loop in `pipe`; this module
+extracts the tar and runs the whole chain (`unpack_layer`).
+
 Each layer is stored separately and stacked later with overlayfs (`lowerdir=`), so the OCI
 whiteouts become overlayfs ones: `.wh.<name>` becomes a 0/0 character device `<name>` and
 `.wh..wh..opq` the `trusted.overlay.opaque=y` xattr on its directory. That device is the only
@@ -22,319 +25,38 @@ forge overlayfs metadata). Unpacking needs root (chown, mknod, trusted xattrs).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import stat
 import tarfile
-import threading
-import zlib
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, BinaryIO, Literal, Protocol, TypeVar, cast
+from typing import BinaryIO
 
-import zstandard
-
-from ..errors import BadRequest
-from .layers import _rmtree
-from .registry import DigestMismatch, digest_algo
+from ..fsutil import rmtree
+from .manifests import DigestMismatch, digest_algo
+from .streams import (
+    CHUNK,
+    BlobSource,
+    Compression,
+    GzipReader,
+    HashReader,
+    InvalidLayer,
+    Reader,
+    ZstdReader,
+    detect_compression,
+)
 
 log = logging.getLogger("aenv.images")
 
-Compression = Literal["gzip", "zstd", "none"]
-T = TypeVar("T")
-
-CHUNK = 1 << 20
 OPAQUE_XATTR = "trusted.overlay.opaque"
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
 _MAX_SYMLINK_HOPS = 40
 _KEPT_XATTRS = ("user.", "security.capability")
 
-GZIP_MAGIC = b"\x1f\x8b"
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
-
-class InvalidLayer(BadRequest):
-    """A layer blob is malformed or unsafe (bad compression, bad tar, escaping paths)."""
-
-
-class Reader(Protocol):
-    def read(self, n: int = -1, /) -> bytes: ...
-
-
-def compression_from_media_type(media_type: str | None) -> Compression | None:
-    mt = (media_type or "").lower()
-    if mt.endswith("+gzip") or mt.endswith(".tar.gzip") or mt.endswith(".gzip"):
-        return "gzip"
-    if mt.endswith("+zstd") or mt.endswith(".zstd"):
-        return "zstd"
-    if mt.endswith(".tar") or mt.endswith("diff.tar"):
-        return "none"
-    return None
-
-
-def detect_compression(head: bytes, media_type: str | None = None) -> Compression:
-    """By magic bytes; the media type only breaks ties for blobs too short to tell."""
-    if head.startswith(GZIP_MAGIC):
-        found: Compression = "gzip"
-    elif head.startswith(ZSTD_MAGIC):
-        found = "zstd"
-    elif len(head) < 4 and compression_from_media_type(media_type):
-        return compression_from_media_type(media_type) or "none"
-    else:
-        found = "none"
-    declared = compression_from_media_type(media_type)
-    if declared and declared != found:
-        log.warning("layer declared as %s (%s) is %s; using %s", declared, media_type, found, found)
-    return found
-
-
-# --- readers ---
-class _Source:
-    """The compressed stream: replayed bytes first, then live ones. Hashes everything,
-    copies live bytes into `tee`, refuses to read past `limit`."""
-
-    def __init__(
-        self,
-        live: Reader,
-        *,
-        algo: str,
-        limit: int | None,
-        replay: Reader | None,
-        tee: BinaryIO | None,
-    ) -> None:
-        self._live = live
-        self._replay = replay
-        self._tee = tee
-        self._limit = limit
-        self._hash = hashlib.new(algo)
-        self._algo = algo
-        self._pushback = b""
-        self.count = 0
-
-    def _next(self, n: int) -> bytes:
-        if self._replay is not None:
-            data = self._replay.read(n)
-            if data:
-                return data
-            self._replay = None
-        data = self._live.read(n)
-        if data and self._tee is not None:
-            self._tee.write(data)
-        return data
-
-    def read(self, n: int = -1, /) -> bytes:
-        if n is None or n < 0:
-            n = CHUNK
-        if self._pushback:
-            data, self._pushback = self._pushback[:n], self._pushback[n:]
-            return data
-        data = self._next(n)
-        if data:
-            self.count += len(data)
-            if self._limit is not None and self.count > self._limit:
-                raise DigestMismatch(
-                    f"layer is larger than the {self._limit} bytes its manifest states",
-                    error_code="digest_mismatch",
-                )
-            self._hash.update(data)
-        return data
-
-    def peek(self, n: int) -> bytes:
-        while len(self._pushback) < n:
-            data = self.read(n - len(self._pushback))
-            if not data:
-                break
-            self._pushback += data
-        return self._pushback[:n]
-
-    def drain(self) -> None:
-        while self.read(CHUNK):
-            pass
-
-    def digest(self) -> str:
-        return f"{self._algo}:{self._hash.hexdigest()}"
-
-
-class _GzipReader:
-    """gzip (also multi-member) decompression with bounded output per read."""
-
-    def __init__(self, raw: Reader) -> None:
-        self._raw = raw
-        self._buf = b""
-        self._d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        self._in_member = False
-
-    def read(self, n: int = -1, /) -> bytes:
-        if n is None or n < 0:
-            n = CHUNK
-        n = max(n, 1)
-        while True:
-            if not self._buf:
-                self._buf = self._raw.read(CHUNK)
-                if not self._buf:
-                    if self._in_member:
-                        raise InvalidLayer("gzip stream ends early")
-                    return b""
-            if not self._in_member:
-                self._d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-                self._in_member = True
-            try:
-                out = self._d.decompress(self._buf, n)
-            except zlib.error as e:
-                raise InvalidLayer(f"corrupt gzip data: {e}") from None
-            if self._d.eof:
-                self._buf = self._d.unused_data
-                self._in_member = False
-            else:
-                self._buf = self._d.unconsumed_tail
-            if out:
-                return out
-
-
-class _ZstdReader:
-    def __init__(self, raw: Reader) -> None:
-        self._r = zstandard.ZstdDecompressor().stream_reader(
-            cast(IO[bytes], raw), read_size=CHUNK, read_across_frames=True, closefd=False
-        )
-
-    def read(self, n: int = -1, /) -> bytes:
-        if n is None or n < 0:
-            n = CHUNK
-        try:
-            return self._r.read(n)
-        except zstandard.ZstdError as e:
-            raise InvalidLayer(f"corrupt zstd data: {e}") from None
-
-
-class _HashReader:
-    """Hashes (the diff_id) and counts what passes through."""
-
-    def __init__(self, raw: Reader) -> None:
-        self._raw = raw
-        self._hash = hashlib.sha256()
-        self.count = 0
-
-    def read(self, n: int = -1, /) -> bytes:
-        data = self._raw.read(n)
-        if data:
-            self._hash.update(data)
-            self.count += len(data)
-        return data
-
-    def drain(self) -> None:
-        while self.read(CHUNK):
-            pass
-
-    def digest(self) -> str:
-        return f"sha256:{self._hash.hexdigest()}"
-
-
-class BlobPipe:
-    """Chunks handed from an event loop (producer) to a worker thread (consumer).
-
-    The producer awaits `put` for each chunk and calls `close(error)` exactly once at the
-    end; the consumer `read`s like a file. If the consumer gives up (`abort`), `put` returns
-    False so the producer can stop. A full pipe suspends the producer on an asyncio event
-    (no thread is parked for it), so any number of pipes can be active at once."""
-
-    def __init__(self, max_chunks: int = 16) -> None:
-        self._cv = threading.Condition()
-        self._chunks: deque[bytes] = deque()
-        self._max = max_chunks
-        self._buf = b""
-        self._closed = False
-        self._aborted = False
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._space: asyncio.Event | None = None
-
-    # producer side (event loop)
-    async def put(self, chunk: bytes) -> bool:
-        if self._space is None:
-            self._loop = asyncio.get_running_loop()
-            self._space = asyncio.Event()
-        while True:
-            with self._cv:
-                if self._aborted:
-                    return False
-                if len(self._chunks) < self._max:
-                    self._chunks.append(chunk)
-                    self._cv.notify()
-                    return True
-                self._space.clear()
-            await self._space.wait()
-
-    def close(self, error: BaseException | None = None) -> None:
-        with self._cv:
-            self._error = error
-            self._closed = True
-            self._cv.notify_all()
-
-    # consumer side (thread)
-    def _wake_producer(self) -> None:
-        loop, space = self._loop, self._space
-        if loop is not None and space is not None:
-            with contextlib.suppress(RuntimeError):  # the loop is gone
-                loop.call_soon_threadsafe(space.set)
-
-    def abort(self) -> None:
-        with self._cv:
-            self._aborted = True
-        self._wake_producer()
-
-    def read(self, n: int = -1, /) -> bytes:
-        if n is None or n < 0:
-            n = CHUNK
-        if not self._buf:
-            with self._cv:
-                while not self._chunks and not self._closed:
-                    self._cv.wait()
-                if self._chunks:
-                    self._buf = self._chunks.popleft()
-                elif self._error is not None:
-                    raise self._error
-                else:
-                    return b""
-            self._wake_producer()
-        data, self._buf = self._buf[:n], self._buf[n:]
-        return data
-
-
-def run_in_thread(fn: Callable[[], T], name: str = "aenv-unpack") -> asyncio.Future[T]:
-    """Runs `fn` in a new thread of its own (not the shared default executor, whose few
-    workers a burst of concurrent layer unpacks would exhaust); returns a future for it."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: T | None, error: BaseException | None) -> None:
-        if fut.done():
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)  # type: ignore[arg-type]
-
-    def target() -> None:
-        try:
-            result = fn()
-        except BaseException as e:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(settle, None, e)
-        else:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(settle, result, None)
-
-    threading.Thread(target=target, name=name, daemon=True).start()
-    return fut
-
-
-# --- extraction ---
 @dataclass
 class UnpackStats:
     entries: int = 0
@@ -419,7 +141,7 @@ def _resolve_dir(root: str, parts: list[str], *, create: bool) -> str:
 
 def _remove(path: str, st: os.stat_result) -> None:
     if stat.S_ISDIR(st.st_mode):
-        _rmtree(Path(path))
+        rmtree(path)
     else:
         os.unlink(path)
 
@@ -608,16 +330,16 @@ def unpack_layer(
     (from the image config) are checked once the stream ends: a mismatch raises
     `DigestMismatch` and `dest` must then be discarded by the caller."""
     algo = digest_algo(digest) if digest else "sha256"
-    src = _Source(live, algo=algo, limit=size, replay=replay, tee=tee)
+    src = BlobSource(live, algo=algo, limit=size, replay=replay, tee=tee)
     compression = detect_compression(src.peek(4), media_type)
     dec: Reader
     if compression == "gzip":
-        dec = _GzipReader(src)
+        dec = GzipReader(src)
     elif compression == "zstd":
-        dec = _ZstdReader(src)
+        dec = ZstdReader(src)
     else:
         dec = src
-    tar_in = _HashReader(dec)
+    tar_in = HashReader(dec)
     try:
         stats = extract_tar(tar_in, dest)
         tar_in.drain()
