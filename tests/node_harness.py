@@ -140,7 +140,7 @@ def build(
         runtime,
         storage=storage,
         bundle=EnvdBundle(host_path=bundle_dir, digest="test"),
-        envd=envd,  # type: ignore[arg-type]  (the fake has the client's surface)
+        envd=envd,
         clock=clock,
     )
     return Harness(home, host, clock, envd, settings, orch, runtime, catalog)
