@@ -84,19 +84,30 @@ def wait_healthy(
     timeout: float = 10.0,
     proc: subprocess.Popen[Any] | None = None,
     path: str = "/health",
+    status: int | tuple[int, ...] = 204,
+    log: Path | None = None,
 ) -> None:
-    """Until `url + path` answers 204 (envd, the aenv server). With `proc`: an
-    AssertionError as soon as that process exits instead of waiting out the timeout."""
+    """Until `url + path` answers `status` (envd, the aenv server, moto, a registry).
+    With `proc`: fails as soon as that process exits instead of waiting out the timeout;
+    with `log`: the failure shows the end of that file (the server's own account)."""
+
+    ok = (status,) if isinstance(status, int) else status
 
     def healthy() -> bool:
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"{url}: the server exited with {proc.returncode}")
         try:
-            return httpx.get(url + path, timeout=1).status_code == 204
+            return httpx.get(url + path, timeout=1).status_code in ok
         except httpx.HTTPError:
             return False
 
-    wait_until(healthy, timeout, 0.05, f"{url}{path} to answer 204")
+    try:
+        wait_until(healthy, timeout, 0.05, f"{url}{path} to answer {'/'.join(map(str, ok))}")
+    except AssertionError as e:
+        if log is None:
+            raise
+        tail = log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"
+        raise AssertionError(f"{e}\n{tail}") from None
 
 
 @contextlib.contextmanager

@@ -12,11 +12,9 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,19 +22,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT, free_port, wait_healthy
+
 AENV = str(Path(sys.executable).with_name("aenv"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # A plain-HTTP registry on loopback that tests may start on this address (test_templates.py);
 # the session's server trusts it. Chosen once, before the server starts.
-TEST_REGISTRY = f"127.0.0.1:{_free_port()}"
+TEST_REGISTRY = f"127.0.0.1:{free_port()}"
 
 
 @dataclass
@@ -57,17 +50,7 @@ class Server:
         self.proc = subprocess.Popen(
             [AENV, "server"], env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
         )
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"aenv server exited:\n{self.log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 204:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"aenv server did not start:\n{self.log_path.read_text()[-4000:]}")
+        wait_healthy(self.url, 180, proc=self.proc, log=self.log_path)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc and self.proc.poll() is None:
@@ -106,7 +89,7 @@ def running_server(prefix: str, cidr: str, **extra: str) -> Iterator[Server]:
     if os.geteuid() != 0 or not shutil.which("runsc"):
         pytest.skip("integration tests need root and runsc (run `make test`)")
     home = Path(tempfile.mkdtemp(prefix=f"aenv-{prefix}-"))
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     env.update(
         AENV_HOME=str(home),
@@ -186,7 +169,7 @@ def sandboxes(e2b_env: Server) -> Iterator[list[object]]:
 def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A moto S3 server on a free loopback port, stopped (by its pid) even on failure."""
     pytest.importorskip("moto", reason="moto[server] is a test dependency")
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("moto") / "moto.log"
     endpoint = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
@@ -197,18 +180,7 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"moto server exited:\n{log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{endpoint}/moto-api/", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"moto server did not start:\n{log_path.read_text()[-2000:]}")
-            time.sleep(0.1)
+        wait_healthy(endpoint, 30, proc=proc, path="/moto-api/", status=200, log=log_path)
         yield endpoint
     finally:
         proc.terminate()

@@ -1,14 +1,15 @@
-"""Small helpers shared by integration tests."""
+"""Small helpers shared by integration tests (the generic ones are in tests/helpers.py)."""
 
 from __future__ import annotations
 
 import json
 import sqlite3
-import time
 from pathlib import Path
 from typing import Any
 
 from e2b import Sandbox
+
+from tests.helpers import wait_until
 
 # A stdlib-only WebSocket echo server to run inside a sandbox (the base image has python3
 # but no third-party packages). Text frames are echoed as text, binary as binary.
@@ -68,13 +69,14 @@ def sandbox_address(home: Path, sandbox_id: str) -> str:
 
 
 def wait_port(sbx: Sandbox, port: int, timeout: float = 15) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        r = sbx.commands.run(
-            f"python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", {port}), 1)' "
-            "&& echo up || true"
-        )
-        if "up" in r.stdout:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"port {port} did not open in the sandbox")
+    """Until something listens on `port` inside the sandbox."""
+    probe = (
+        f"python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", {port}), 1)' "
+        "&& echo up || true"
+    )
+    wait_until(
+        lambda: "up" in sbx.commands.run(probe).stdout,
+        timeout,
+        0.2,
+        f"port {port} to open in the sandbox",
+    )

@@ -3,23 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
-import httpx
 import pytest
-
-SRC = Path(__file__).resolve().parents[2] / "src"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.helpers import SRC, free_port, wait_healthy
 
 
 @pytest.fixture(scope="session")
@@ -37,14 +26,8 @@ def envd_launcher() -> Iterator[Callable[..., str]]:
         )
         procs.append(p)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 204:
-                    return url
-            except httpx.TransportError:
-                time.sleep(0.02)
-        raise RuntimeError("envd did not start")
+        wait_healthy(url, proc=p)
+        return url
 
     yield launch
     for p in procs:

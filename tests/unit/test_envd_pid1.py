@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SRC, free_port
+from tests.helpers import SRC, free_port, wait_healthy
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare(1)"
@@ -63,15 +63,7 @@ def test_bundle_name_as_pid1(tmp_path: Path) -> None:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 204:
-                    break
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        wait_healthy(url, proc=proc)
         # PID 1 is the reaper, the server is its child
         assert "aenv_envd" in _run(url, "tr '\\0' ' ' < /proc/1/cmdline")
         assert _run(url, "echo $PPID").strip() != "1"

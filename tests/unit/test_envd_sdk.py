@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tests.helpers import wait_until
 
 e2b = pytest.importorskip("e2b")
 
@@ -232,7 +233,6 @@ def test_pty(sbx: Any) -> None:
     out = bytearray()
     h = sbx.pty.create(e2b.PtySize(rows=24, cols=80), user="root", timeout=30)
     sbx.pty.send_stdin(h.pid, b"echo pty-$((6*7))\n")
-    deadline = time.time() + 10
     thread_out: list[bytes] = []
 
     def consume() -> None:
@@ -241,8 +241,7 @@ def test_pty(sbx: Any) -> None:
 
     t = threading.Thread(target=consume, daemon=True)
     t.start()
-    while b"pty-42" not in b"".join(thread_out) and time.time() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: b"pty-42" in b"".join(thread_out), what="the pty's echo")
     sbx.pty.resize(h.pid, e2b.PtySize(rows=30, cols=100))
     assert sbx.pty.kill(h.pid) is True
     t.join(5)

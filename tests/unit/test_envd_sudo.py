@@ -23,9 +23,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
-from conftest import SRC, free_port
+from tests.helpers import SRC, free_port, wait_healthy, wait_until
 
 from aenv.envd import sudo, sudo_args, sudo_plan, sudo_protocol, sudo_service
 from aenv.envd.state import User, Users
@@ -140,12 +139,9 @@ def env() -> Iterator[Env]:
             stderr=subprocess.DEVNULL,
         )
         try:
-            deadline = time.monotonic() + 60  # generous: the host may be busy
-            while not sock.exists():  # the service starts right after the HTTP listener
-                assert proc.poll() is None, "envd exited"
-                assert time.monotonic() < deadline, "envd did not start"
-                time.sleep(0.05)
-            assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 204
+            # Generous: the host may be busy. The service starts right after the HTTP listener.
+            wait_healthy(f"http://127.0.0.1:{port}", timeout=60, proc=proc)
+            wait_until(sock.exists, 60, what="the sudo socket")
             yield Env(root, sock, shim, proc)
             proc.terminate()
             proc.wait(30)
@@ -350,18 +346,17 @@ def _start_sleeper(env: Env, *args: str) -> tuple[subprocess.Popen[bytes], int]:
     return p, pid
 
 
-def _gone(pid: int, timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(") ")[1].startswith("Z"):
-                    time.sleep(0.02)
-                    continue
-        except (FileNotFoundError, ProcessLookupError):
-            return True
-        time.sleep(0.02)
-    return False
+def _state(pid: int) -> str:
+    """The process's state letter (R, S, T, Z...); "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0]
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def _wait_gone(pid: int) -> None:
+    wait_until(lambda: _state(pid) == "", what=f"pid {pid} to be reaped")
 
 
 def test_signals_are_relayed(env: Env) -> None:
@@ -369,7 +364,7 @@ def test_signals_are_relayed(env: Env) -> None:
         p, pid = _start_sleeper(env)
         p.send_signal(sig)
         assert p.wait(10) == -sig  # the client dies of the same signal
-        assert _gone(pid)
+        _wait_gone(pid)
     # a signal the command handles: it decides (here: exits 5)
     p = subprocess.Popen(
         env.argv("sh", "-c", "trap 'exit 5' USR1; echo ready; while :; do sleep 0.05; done"),
@@ -385,34 +380,20 @@ def test_client_killed_kills_command(env: Env) -> None:
     p, pid = _start_sleeper(env)
     p.kill()
     p.wait(10)
-    assert _gone(pid)
+    _wait_gone(pid)
 
 
 def test_suspend_and_resume(env: Env) -> None:
     p, pid = _start_sleeper(env)
     try:
         p.send_signal(signal.SIGTSTP)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(") ")[1].startswith("T"):
-                    break
-            time.sleep(0.02)
-        else:
-            pytest.fail("the command was not stopped")
+        wait_until(lambda: _state(pid) == "T", 5, what="the command to stop")
         p.send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(") ")[1][0] in "SR":
-                    break
-            time.sleep(0.02)
-        else:
-            pytest.fail("the command was not continued")
+        wait_until(lambda: _state(pid) in ("S", "R"), 5, what="the command to continue")
     finally:
         p.terminate()
         p.wait(10)
-    assert _gone(pid)
+    _wait_gone(pid)
 
 
 # --- a terminal --------------------------------------------------------------------------------

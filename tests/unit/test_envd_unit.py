@@ -213,7 +213,8 @@ def test_chunked_body_reader() -> None:
         reader = asyncio.StreamReader()
         reader.feed_data(b"5;ext=1\r\nhello\r\n0A\r\n0123456789\r\n0\r\nTrailer: x\r\n\r\nNEXT")
         reader.feed_eof()
-        conn = httpserver.Conn(reader, None)  # type: ignore[arg-type]
+        no_writer: Any = None  # the body reader never writes
+        conn = httpserver.Conn(reader, no_writer)
         body = httpserver.Body(conn, None, True)
         data = await body.read_all(1000)
         assert body.done and bytes(conn.buf) == b"NEXT"

@@ -440,11 +440,15 @@ async def test_host_routing(env: Env) -> None:
         assert r.status_code == 200
 
 
+async def _no_control_app(scope: Any, receive: Any, send: Any) -> None:
+    raise AssertionError("the request should have been routed to a sandbox")
+
+
 async def test_route_parsing() -> None:
     async def resolver(sandbox_id: str, port: int) -> tuple[str, int]:
         raise AssertionError
 
-    router = SandboxRouter(None, resolver, ["Example.COM.", ""])  # type: ignore[arg-type]
+    router = SandboxRouter(_no_control_app, resolver, ["Example.COM.", ""])
 
     def route(host: str, path: str = "/", **headers: str) -> object:
         hs = [(b"host", host.encode())] + [
@@ -720,7 +724,7 @@ async def raw_upstream_router(response: bytes) -> AsyncIterator[str]:
     async def resolver(sandbox_id: str, p: int) -> tuple[str, int]:
         return "127.0.0.1", port
 
-    router = SandboxRouter(None, resolver, [])  # type: ignore[arg-type]
+    router = SandboxRouter(_no_control_app, resolver, [])
     try:
         async with serve(router) as proxy_port:
             yield f"http://127.0.0.1:{proxy_port}/"
