@@ -3,6 +3,8 @@ layer-stack reads, the in-sandbox COPY helper (run on a scratch root) and the AP
 
 from __future__ import annotations
 
+import asyncio
+import builtins
 import io
 import json
 import os
@@ -23,7 +25,9 @@ from aenv.builds.files import BuildFiles
 from aenv.builds.spec import BuildState, Step, apply_state_step, cache_key, parse_spec
 from aenv.builds.store import BuildRecord, BuildStore, LogEntry
 from aenv.config import Settings
-from aenv.errors import BadRequest, Forbidden
+from aenv.domain import TemplateRecord
+from aenv.errors import BadRequest, Forbidden, NotFound
+from aenv.orchestrator.catalog import Catalog
 
 ROOT = os.geteuid() == 0
 HELPER = Path(__file__).resolve().parents[2] / "src/aenv/builds/copy_in_sandbox.py"
@@ -258,15 +262,24 @@ def test_copy_helper_docker_semantics(tmp_path: Path) -> None:
 
 
 class _Orch:
-    """Enough of an orchestrator for the build routes that do not boot anything."""
+    """Enough of an orchestrator for the build routes that do not boot anything: its
+    template calls over a real catalog."""
 
     def __init__(self, tmp: Path) -> None:
-        from aenv.orchestrator.catalog import Catalog
-
         self.catalog = Catalog(tmp / "catalog.db")
 
     def list(self, **_: Any) -> list[Any]:
         return []
+
+    async def find_template(self, id_or_name: str) -> TemplateRecord | None:
+        return await asyncio.to_thread(self.catalog.template, id_or_name)
+
+    async def templates(self) -> builtins.list[TemplateRecord]:
+        return await asyncio.to_thread(self.catalog.templates)
+
+    async def delete_template(self, template_id: str) -> None:
+        if not await asyncio.to_thread(self.catalog.delete_template, template_id):
+            raise NotFound(f"template {template_id!r} not found")
 
 
 async def test_routes_request_upload_and_status(tmp_path: Path) -> None:

@@ -6,8 +6,10 @@ store.py       SQLite under $AENV_HOME/builds.db: builds, their log entries, the
 files.py       uploaded COPY contexts ($AENV_HOME/build-files/<hash>) and signed upload URLs
 stack.py       host-side reads of a layer stack (/etc/passwd) and user resolution
 images.py      pulling images (registry settings, credentials) and booting sandboxes on a
-               layer stack through a transient internal template doc (cold start)
+               layer stack through a transient internal template (cold start)
 steps.py       what one step does inside a build sandbox (RUN, COPY, WORKDIR, start/ready)
-builder.py     the build runner: one background task per build, step after step
+builder.py     build requests, records, status and logs; one background task per build
+job.py         one build's base and steps: build sandboxes, the step cache, layer holds
+finalize.py    the template a build ends in (cold, or a snapshot after startCmd/readyCmd)
 dockerfile.py  a Dockerfile parser that turns a Dockerfile into the same build request
 """

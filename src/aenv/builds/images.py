@@ -1,12 +1,12 @@
 """OCI images as sandboxes: pulling (with the node's registry settings) and booting a sandbox
-on any layer stack through a transient internal template doc.
+on any layer stack through a transient internal template.
 
-`orchestrator.create` boots from a catalog template. A cold start from an image, and every
-step of a template build, registers an internal doc (`internal: true`, layers held while it
-exists), creates the sandbox (which then holds the layers itself) and drops the doc again.
-The image's doc is keyed by its manifest digest and shared by concurrent cold starts of the
-same image; it is not kept afterwards, so pulled layers nobody runs on stay evictable and
-the layer cache bound (`AENV_LAYER_CACHE_GB`) holds.
+`Orchestrator.create` boots from a catalog template. A cold start from an image, and every
+step of a template build, registers an internal template (`internal`, layers held while it
+exists), creates the sandbox (which then holds the layers itself) and drops the template
+again. The image's template is keyed by its manifest digest and shared by concurrent cold
+starts of the same image; it is not kept afterwards, so pulled layers nobody runs on stay
+evictable and the layer cache bound (`AENV_LAYER_CACHE_GB`) holds.
 
 Image config honoured on a cold start: Env (under the request's envVars), WorkingDir (the
 default cwd), User (a name or uid resolved through the image's /etc/passwd; unknown: root;
@@ -18,6 +18,7 @@ unset: root, as docker runs it). Entrypoint/Cmd are recorded as sandbox metadata
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -25,18 +26,19 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from ..errors import AenvError, BadRequest
-from ..images.cache import holder
-from ..images.pull import ImageConfig, ProgressFn, PulledImage, pull
+from ..config import ImageSettings, Settings
+from ..domain import CreateRequest, SandboxRecord, TemplateKind, TemplateRecord, Timings, utcnow
+from ..errors import AenvError, BadRequest, NotFound
+from ..images.pull import ImageConfig, ProgressFn, PulledImage
 from ..images.reference import candidates
 from ..images.registry import Credential
-from ..images.settings import ImageSettings
-from ..orchestrator.lifecycle import Orchestrator
-from ..orchestrator.models import CreateRequest, SandboxRecord, utcnow
-from ..orchestrator.service import ENVD_PORT, Timings
+from ..orchestrator import Orchestrator
 from . import stack
 
 log = logging.getLogger("aenv.builds")
+
+# Who holds pulled layers until their sandbox or template does: (kind, ident).
+Pin = tuple[str, str]
 
 
 def registry_credentials(
@@ -71,11 +73,11 @@ def image_template_id(img: PulledImage) -> str:
 
 
 class Images:
-    def __init__(self, orchestrator: Orchestrator, settings: ImageSettings | None = None) -> None:
+    def __init__(self, settings: Settings, orchestrator: Orchestrator) -> None:
+        self.settings = settings.images
         self.orch = orchestrator
-        self.settings = settings or ImageSettings()
+        # Registration counts of the transient templates (concurrent boots share one).
         self._users: dict[str, int] = {}
-        # Registration counts of the transient docs (concurrent boots share one).
         self._lock = asyncio.Lock()
 
     async def pull(
@@ -84,73 +86,59 @@ class Images:
         *,
         progress: ProgressFn | None = None,
         registry: Mapping[str, Any] | None = None,
-        pin: str | None = None,
+        pin: Pin | None = None,
     ) -> PulledImage:
-        """Pulls into the node's layer store; `pin` keeps a reference until released."""
+        """Pulls into the node's layer store; `pin` holds the layers until released."""
         creds = registry_credentials(self.settings, image, registry)
-        return await pull(
-            self.settings,
-            self.orch.storage.layers,
-            image,
-            progress=progress,
-            cache=self.orch.storage.refs,
-            holder=pin,
-            credentials=creds,
-        )
+        return await self.orch.pull_image(image, progress=progress, credentials=creds, pin=pin)
 
-    def release(self, pin: str) -> None:
-        self.orch.storage.refs.release(pin)
+    async def release(self, pin: Pin) -> None:
+        await self.orch.release_layers(*pin)
 
     def passwd(self, layers: list[str]) -> list[stack.PasswdEntry]:
-        return stack.passwd([self.orch.storage.layers.path(d) for d in layers])
+        return stack.passwd([self.orch.layer_path(d) for d in layers])
 
     # ------------------------------------------------------------------ booting
     async def boot(
-        self,
-        template_id: str,
-        doc: dict[str, Any],
-        req: CreateRequest,
-        timings: Timings | None = None,
+        self, rec: TemplateRecord, req: CreateRequest, timings: Timings | None = None
     ) -> SandboxRecord:
-        """Creates a sandbox from `doc` (an internal template registered for the call)."""
+        """Creates a sandbox from `rec`, an internal template registered for the call."""
+        tid = rec.template_id
         async with self._lock:
-            count = self._users.get(template_id, 0)
+            count = self._users.get(tid, 0)
             if count == 0:
-                await asyncio.to_thread(self._register, template_id, doc)
-            self._users[template_id] = count + 1
+                await self.orch.register_template(replace(rec, internal=True), publish=False)
+            self._users[tid] = count + 1
         try:
-            return await self.orch.create(replace(req, template_id=template_id), timings)
+            return await self.orch.create(replace(req, template_id=tid), timings)
         finally:
             async with self._lock:
-                self._users[template_id] -= 1
-                if self._users[template_id] == 0:
-                    del self._users[template_id]
-                    await asyncio.to_thread(self._unregister, template_id)
+                self._users[tid] -= 1
+                if self._users[tid] == 0:
+                    del self._users[tid]
+                    await self.unregister(tid)
 
-    def _register(self, template_id: str, doc: dict[str, Any]) -> None:
-        self.orch.storage.hold("template", template_id, list(doc["layers"]))
-        self.orch.catalog.put_template(template_id, {**doc, "internal": True}, [])
-
-    def _unregister(self, template_id: str) -> None:
-        self.orch.catalog.delete_template(template_id)
-        self.orch.storage.release("template", template_id)
+    async def unregister(self, template_id: str) -> None:
+        with contextlib.suppress(NotFound):
+            await self.orch.delete_template(template_id)
 
     # ------------------------------------------------------------------ cold start
-    def image_doc(self, img: PulledImage) -> dict[str, Any]:
+    def image_record(self, img: PulledImage) -> TemplateRecord:
         cfg = img.config
         user, warning = stack.resolve_user(self.passwd(img.layers), cfg.user)
         if warning:
             log.info("image %s: %s", img.reference, warning)
-        return {
-            "kind": "image",
-            "internal": True,
-            "layers": list(img.layers),
-            "env": cfg.env_dict(),
-            "user": user or "root",
-            "workdir": cfg.workdir or None,
-            "image": img.to_json(),
-            "created_at": utcnow().isoformat(),
-        }
+        return TemplateRecord(
+            template_id=image_template_id(img),
+            kind=TemplateKind.IMAGE,
+            layers=list(img.layers),
+            internal=True,
+            env=cfg.env_dict(),
+            user=user or "root",
+            workdir=cfg.workdir or None,
+            created_at=utcnow().isoformat(),
+            extra={"image": img.to_json()},
+        )
 
     async def cold_start(
         self,
@@ -161,23 +149,20 @@ class Images:
         start_entrypoint: bool = False,
         timings: Timings | None = None,
     ) -> SandboxRecord:
-        pin = holder("coldstart", uuid.uuid4().hex)
+        pin = ("coldstart", uuid.uuid4().hex)
         try:
             img = await self.pull(image, registry=registry, pin=pin)
-            doc = await asyncio.to_thread(self.image_doc, img)
-            meta = image_metadata(img)
-            req = replace(req, metadata={**meta, **req.metadata})
-            record = await self.boot(image_template_id(img), doc, req, timings)
+            rec = await asyncio.to_thread(self.image_record, img)
+            req = replace(req, metadata={**image_metadata(img), **req.metadata})
+            record = await self.boot(rec, req, timings)
         finally:
-            await asyncio.to_thread(self.release, pin)
-        workdir = doc.get("workdir")
-        if workdir and record.address:
+            await self.release(pin)
+        if rec.workdir and record.address:
             # As docker does at run time: a WorkingDir missing in the image is created.
-            rpc = self.orch.envd.rpc(record.address, ENVD_PORT, record.envd_access_token)
             try:
-                await rpc.make_dir(str(workdir), user="root")
+                await self.orch.envd(record).make_dir(rec.workdir, user="root")
             except AenvError as e:
-                log.info("creating WorkingDir %s of %s: %s", workdir, image, e.message)
+                log.info("creating WorkingDir %s of %s: %s", rec.workdir, image, e.message)
         argv = [*img.config.entrypoint, *img.config.cmd]
         if start_entrypoint and argv:
             await self.start_background(record, argv)
@@ -185,9 +170,7 @@ class Images:
 
     async def start_background(self, record: SandboxRecord, argv: list[str]) -> int:
         """Starts `argv` in the sandbox and leaves it running; returns its pid."""
-        assert record.address is not None
-        rpc = self.orch.envd.rpc(record.address, ENVD_PORT, record.envd_access_token)
-        async for ev in rpc.process(argv[0], argv[1:]):
+        async for ev in self.orch.envd(record).process(argv[0], argv[1:]):
             if ev.kind == "start":
                 return ev.pid
             if ev.kind == "end":

@@ -70,6 +70,14 @@ class BuildRecord:
         return [str(n) for n in self.doc.get("names") or []]
 
     @property
+    def cpu_count(self) -> int:
+        return int(self.doc["cpu_count"])
+
+    @property
+    def memory_mb(self) -> int:
+        return int(self.doc["memory_mb"])
+
+    @property
     def reason(self) -> dict[str, Any] | None:
         r = self.doc.get("reason")
         return r if isinstance(r, dict) else None

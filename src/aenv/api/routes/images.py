@@ -15,10 +15,10 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field
 
 from aenv.builds.images import Images
+from aenv.domain import CreateRequest, Timings
 from aenv.errors import AenvError
 from aenv.images.pull import LayerProgress
-from aenv.orchestrator.models import CreateRequest
-from aenv.orchestrator.service import Timings, check_timeout
+from aenv.orchestrator.context import check_timeout
 
 from ..auth import require_api_key
 from ..deps import SettingsDep

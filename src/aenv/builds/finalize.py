@@ -1,0 +1,189 @@
+"""The end of a build: the template made of its final layer stack.
+
+With startCmd (or a lone readyCmd): boot on the final stack, start startCmd in the
+background, poll readyCmd (every 0.5-2 s, up to `ready_timeout`), then snapshot the sandbox
+WITH memory under the template's id: sandboxes created from the template restore that
+snapshot, so the started process is running in each of them. Without: the final stack
+(+ env/user/workdir, the WORKDIR created if no step did) is the template, booted cold.
+
+The template keeps its id across builds (same name: same template); registering a new
+build's record replaces the earlier one (its layer holds, a memory image it no longer uses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from ..domain import TemplateKind, TemplateRecord, utcnow
+from ..orchestrator.envd_client import EnvdRpc
+from . import stack, steps
+from .job import BuildFailed, BuildJob, Stack
+from .spec import BuildSpec, BuildState, Step, cache_key
+
+READY_TIMEOUT = 120.0
+READY_CHECK_TIMEOUT = 30.0
+
+
+async def finalize(job: BuildJob, spec: BuildSpec, at: Stack, ready_timeout: float) -> None:
+    ab = job.ab
+    b = ab.record
+    ab.step = "finalize"
+    state = at.state
+    user, warning = stack.resolve_user(
+        await asyncio.to_thread(job.images.passwd, at.layers), state.user
+    )
+    if warning:
+        ab.log("warn", f"[finalize] USER {state.user}: {warning}")
+    extra: dict[str, Any] = {
+        "build_id": b.build_id,
+        "build_status": "ready",
+        "start_cmd": spec.start_cmd,
+        "ready_cmd": spec.ready_cmd,
+        **({"metadata": spec.metadata} if spec.metadata else {}),
+        **at.origin,
+    }
+    if spec.start_cmd or spec.ready_cmd:
+        await _snapshot_started(job, spec, at, user, extra, ready_timeout)
+        return
+    layers = at.layers
+    if (
+        state.workdir
+        and at.ensured != state.workdir
+        and not await job.has_dir(layers, state.workdir)
+    ):
+        fin = Step("WORKDIR", [state.workdir])
+        key = cache_key(layers, fin, state)
+        top = None if at.forced else await job.cached_layer(key)
+        if top is not None:
+            layers = [top, *layers]
+        else:
+            ab.log("info", f"[finalize] creating WORKDIR {state.workdir}")
+            layers = await job.layer_step(None, fin, layers, state)
+            await asyncio.to_thread(job.store.cache, key, layers[0])
+    rec = TemplateRecord(
+        template_id=b.template_id,
+        kind=TemplateKind.TEMPLATE,
+        layers=layers,
+        names=list(b.names),
+        env=dict(state.env),
+        user=user,
+        workdir=state.workdir,
+        cpu_count=b.cpu_count,
+        memory_mb=b.memory_mb,
+        created_at=utcnow().isoformat(),
+        extra=extra,
+    )
+    await job.orch.register_template(rec)
+    ab.log("info", f"[finalize] template {b.template_id} registered ({len(layers)} layers)")
+
+
+async def _snapshot_started(
+    job: BuildJob,
+    spec: BuildSpec,
+    at: Stack,
+    user: str | None,
+    extra: dict[str, Any],
+    ready_timeout: float,
+) -> None:
+    ab = job.ab
+    b = ab.record
+    state = at.state
+    entries = await asyncio.to_thread(job.images.passwd, at.layers)
+    run_as = user or stack.default_user(entries)
+    sbx, rpc = await job.boot(at.layers, state, user)
+    if state.workdir:
+        await rpc.make_dir(state.workdir, user=run_as)
+    bg = steps.Background()
+    if spec.start_cmd:
+        ab.log("info", f'[finalize] start command "{spec.start_cmd}"')
+        bg.start(
+            rpc,
+            spec.start_cmd,
+            user=run_as,
+            env=state.env,
+            cwd=state.workdir,
+            on_line=ab.output("[start] "),
+        )
+        await bg.started.wait()
+        if bg.error:
+            raise BuildFailed(f"finalize: the start command failed: {bg.error}", "finalize")
+    try:
+        await _wait_ready(job, spec, rpc, bg, run_as, state, ready_timeout)
+    finally:
+        await bg.detach()
+    await asyncio.sleep(0.2)  # let envd see the stream go before the checkpoint
+    ab.log("info", "[finalize] snapshotting the running sandbox (memory and files)")
+    # Internal until it is the template: neither listed nor published as a snapshot.
+    rec = await job.orch.snapshot(
+        sbx.sandbox_id,
+        None,
+        template_id=b.template_id,
+        parent=origin_of(at.origin),
+        extra=extra,
+        internal=True,
+    )
+    rec.kind = TemplateKind.TEMPLATE
+    rec.internal = False
+    rec.names = list(b.names)
+    rec.cpu_count, rec.memory_mb = b.cpu_count, b.memory_mb
+    await job.orch.register_template(rec)
+    ab.log("info", f"[finalize] template {rec.template_id} registered (snapshot with memory)")
+
+
+async def _wait_ready(
+    job: BuildJob,
+    spec: BuildSpec,
+    rpc: EnvdRpc,
+    bg: steps.Background,
+    user: str,
+    state: BuildState,
+    ready_timeout: float,
+) -> None:
+    ab = job.ab
+    deadline = time.monotonic() + ready_timeout
+    delay = 0.5
+    attempt = 0
+    while True:
+        if bg.end is not None and bg.end.exit_code != 0:
+            raise BuildFailed(
+                f'finalize: the start command "{spec.start_cmd}" exited before ready: '
+                f"{bg.end.status}",
+                "finalize",
+            )
+        if not spec.ready_cmd:
+            await asyncio.sleep(2.0)
+            if bg.end is not None and bg.end.exit_code != 0:
+                continue  # reported above
+            ab.log("info", "[finalize] no ready command: ready after 2s")
+            return
+        attempt += 1
+        end = await steps.run_shell(
+            rpc,
+            spec.ready_cmd,
+            user=user,
+            env=state.env,
+            cwd=state.workdir,
+            timeout=READY_CHECK_TIMEOUT,
+            on_line=lambda _s, line: ab.log("debug", f"[ready] {line}"),
+        )
+        if end.exit_code == 0:
+            ab.log("info", f'[finalize] ready: "{spec.ready_cmd}" succeeded')
+            return
+        if time.monotonic() >= deadline:
+            raise BuildFailed(
+                f'finalize: the ready command "{spec.ready_cmd}" did not succeed within '
+                f"{ready_timeout:.0f}s (last: {end.status or end.error})",
+                "finalize",
+            )
+        if attempt == 1 or attempt % 10 == 0:
+            ab.log("info", f"[finalize] waiting for ready ({end.status or end.error})")
+        await asyncio.sleep(delay)
+        delay = min(delay * 1.5, 2.0)
+
+
+def origin_of(origin: dict[str, Any]) -> str | None:
+    """The template or image a build started from."""
+    value = origin.get("fromTemplate") or origin.get("fromImage")
+    return str(value) if value else None
