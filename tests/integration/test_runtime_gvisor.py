@@ -1169,7 +1169,7 @@ async def test_parallel_restores(
 # Reconcile after a crash (own prefix, range and home) -----------------------------------------
 
 
-def _crash(rt: GVisorRuntime) -> None:
+def crash(rt: GVisorRuntime) -> None:
     """Drops a runtime like a killed process would: no cleanup, pool slots left behind."""
     for task in (rt.pool._task, rt._reaper):
         if task is not None:
@@ -1192,7 +1192,7 @@ async def test_reconcile_after_crash(
         await asyncio.gather(wait_http(keep), wait_http(drop))
         await sh(keep, "echo state > /tmp/state")
         await asyncio.sleep(0.2)
-        _crash(rt1)
+        crash(rt1)
         del rt1
 
         rt2 = GVisorRuntime(settings)
@@ -1218,7 +1218,7 @@ async def test_reconcile_after_crash(
         assert not rec(drop).bundle_dir.exists() and rec(keep).bundle_dir.exists()
         mnt = settings.home / "mnt"
         assert traces["mounts"] == [str(mnt / rec(keep).rootfs_key)]
-        _crash(rt2)
+        crash(rt2)
         del rt2
 
         # Another crash, and now the catalog knows nothing: everything goes.
@@ -1234,7 +1234,7 @@ async def test_reconcile_after_crash(
         await rt4.start(set())
         inst = await rt4.create(spec([rootfs], "rc-again"))
         await wait_http(inst)
-        _crash(rt4)
+        crash(rt4)
         rt5 = GVisorRuntime(settings)
         rec5 = await rt5.start({inst.id})
         await rt5.destroy(rec5[inst.id])
@@ -1269,7 +1269,7 @@ async def test_reconcile_with_overlays(
             await sh(x, f"echo {x.sandbox_id} > /root/mine")
         await rt1.checkpoint(c, tmp_path / "img-c", leave_running=False)
         await rt1.stop(c)
-        _crash(rt1)
+        crash(rt1)
         del rt1
 
         rt2 = GVisorRuntime(settings)
