@@ -179,9 +179,16 @@ class Orchestrator:
         template_id: str | None = None,
         parent: str | None = None,
         extra: dict[str, Any] | None = None,
+        internal: bool = False,
     ) -> TemplateRecord:
         return await self._snapshotter.snapshot(
-            sandbox_id, name, timings, template_id=template_id, parent=parent, extra=extra
+            sandbox_id,
+            name,
+            timings,
+            template_id=template_id,
+            parent=parent,
+            extra=extra,
+            internal=internal,
         )
 
     async def snapshots(

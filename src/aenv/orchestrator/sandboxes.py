@@ -78,13 +78,17 @@ class Sandboxes:
             layers=None if boot is None else boot.layers,
         )
         self.table.add(r)
-        fetching = t.stage("fetch") if self.templates.has_repository else contextlib.nullcontext()
+
+        # A fresh context per use: a @contextmanager object can be entered only once.
+        def fetching() -> contextlib.AbstractContextManager[None]:
+            return t.stage("fetch") if self.templates.has_repository else contextlib.nullcontext()
+
         try:
             await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, r.layers)
-            with fetching:
+            with fetching():
                 await self.templates.ensure_layers(tpl)
             if tpl.has_memory:
-                with fetching:
+                with fetching():
                     image = await self.templates.image_of(tpl)
                 await self.booter.boot(r, t, image=image, init_from=tpl.envd_token or None)
             elif boot is not None:

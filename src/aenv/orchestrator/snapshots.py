@@ -57,9 +57,11 @@ class Snapshotter:
         template_id: str | None = None,
         parent: str | None = None,
         extra: dict[str, Any] | None = None,
+        internal: bool = False,
     ) -> TemplateRecord:
         """Makes a template of the sandbox's files, memory and processes; it keeps running.
-        `template_id` (a template build) names the result instead of a new snapshot id."""
+        `template_id` (a template build) names the result instead of a new snapshot id;
+        `internal`: neither listed nor published (a build registers it again as its template)."""
         t = timings or Timings()
         self.table.get(sandbox_id)
         if name is not None:
@@ -75,6 +77,7 @@ class Snapshotter:
                 snap_id=template_id,
                 parent=parent,
                 extra=extra,
+                internal=internal,
             )
         return snap
 
