@@ -1020,8 +1020,11 @@ async def test_stop_running_keeps_files_and_address(
         # Files kept; memory (and gVisor's tmpfs /tmp) not: a fresh boot.
         out = await sh(again, "cat /root/kept; cat /tmp/gone 2>&1")
         assert "kept" in out and "No such file" in out
+        # An image that looks whole, so that the refusal is about `reuse`.
+        (tmp_path / "img").mkdir()
+        (tmp_path / "img" / "checkpoint.img").write_bytes(b"x")
         with pytest.raises(RuntimeFailure, match="not a stopped"):
-            await runtime.restore(rw_spec([rootfs], "nomem", upper), tmp_path, reuse=again)
+            await runtime.restore(rw_spec([rootfs], "nomem", upper), tmp_path / "img", reuse=again)
     finally:
         await runtime.destroy(again or inst)
     await runtime.wait_idle()
