@@ -28,9 +28,12 @@ def build_orchestrator(settings: Settings) -> Orchestrator:
     bundle = ensure_bundle(settings)
     runtime = GVisorRuntime(settings)
     storage = SandboxStorage(settings, layers)
-    repo = open_repository(settings)
+    repo = open_repository(settings.snapshots, settings.repo_dir)
     durable = Durable(
-        SnapshotStore(settings, repo, layers), catalog, storage, runtime.image_complete
+        SnapshotStore(settings.snapshots, repo, layers, cache_dir=settings.cache_dir),
+        catalog,
+        storage,
+        runtime.image_complete,
     )
     return Orchestrator(settings, catalog, runtime, storage=storage, bundle=bundle, durable=durable)
 

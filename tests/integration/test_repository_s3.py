@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from aenv.config import Settings
-from aenv.snapshots.config import SnapshotSettings
 from aenv.snapshots.errors import RepositoryError
 from aenv.snapshots.repository import Repository, S3Credentials, S3Repository, open_repository
 from tests.unit.test_repository import RepositoryContract, StoreContract
@@ -64,7 +63,8 @@ class TestS3Repository(RepositoryContract):
         monkeypatch.setenv("AENV_S3_ENDPOINT", s3_endpoint)
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", CREDS.access_key_id)
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CREDS.secret_access_key)
-        repo = open_repository(Settings(home=tmp_path), SnapshotSettings())
+        settings = Settings(home=tmp_path)
+        repo = open_repository(settings.snapshots, settings.repo_dir)
         assert isinstance(repo, S3Repository)
         await repo.put_bytes("manifests/e.json", b"{}")
         assert [o.key for o in await _s3(s3_endpoint, bucket, "").list()] == [

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from aenv.config import Settings
+from aenv.config import Compression, Settings, SnapshotSettings
 from aenv.errors import AenvError, NotFound
 from aenv.images.layers import LayerStore, tree_digest
 from aenv.snapshots.artifacts import pack_dir, unpack_dir
 from aenv.snapshots.cache import ImageCache
-from aenv.snapshots.config import SnapshotSettings
 from aenv.snapshots.errors import (
     ArtifactCorrupt,
     ArtifactError,
@@ -206,7 +205,7 @@ class RepositoryContract:
 class StoreContract:
     """SnapshotStore behaviour over a backend: publish, fetch, verify, cache, delete."""
 
-    compression = "auto"
+    compression: Compression = "auto"
 
     @pytest.fixture
     def repo(self) -> Repository:  # pragma: no cover - overridden
@@ -222,15 +221,19 @@ class StoreContract:
         return self._store(repo, tmp_path / "node2")
 
     def _store(
-        self, repo: Repository, home: Path, *, cache_size: int | None = None
+        self,
+        repo: Repository,
+        home: Path,
+        *,
+        cache_size: int | None = None,
+        compression: Compression | None = None,
     ) -> SnapshotStore:
         settings = Settings(home=home)
         snap = SnapshotSettings(
-            snapshot_compression=self.compression,  # type: ignore[arg-type]
-            snapshot_gc_grace_seconds=3600,
+            snapshot_compression=compression or self.compression, snapshot_gc_grace_seconds=3600
         )
         return SnapshotStore(
-            settings, repo, LayerStore(settings), snapshot_settings=snap, cache_size=cache_size
+            snap, repo, LayerStore(settings), cache_dir=settings.cache_dir, cache_size=cache_size
         )
 
     def _layer(self, store: SnapshotStore, tmp_path: Path, tag: str) -> str:
@@ -527,9 +530,8 @@ class StoreContract:
     async def test_cache_is_bounded_and_respects_pins(
         self, repo: Repository, tmp_path: Path
     ) -> None:
-        pub = self._store(repo, tmp_path / "pub")
         # Compressed images: the cache owns the bytes it fetches (nothing hard-linked).
-        pub.image_compression = "zstd"
+        pub = self._store(repo, tmp_path / "pub", compression="zstd")
         for i in range(3):
             d = self._layer(pub, tmp_path, f"e{i}")
             await pub.publish(
@@ -669,9 +671,16 @@ class TestLocalStoreUncompressed(StoreContract):
 
 
 # --------------------------------------------------------------------------- configuration
+def _open(home: Path) -> Repository:
+    """The repository a node with this home opens, configured from the environment."""
+    settings = Settings(home=home)
+    return open_repository(settings.snapshots, settings.repo_dir)
+
+
 class TestOpenRepository:
     @pytest.fixture(autouse=True)
-    def _clean_env(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def _clean_env(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        monkeypatch.setenv("AENV_CONFIG_FILE", str(tmp_path / "absent.toml"))
         for var in (
             "AENV_SNAPSHOT_REPO",
             "AENV_S3_ENDPOINT",
@@ -683,13 +692,13 @@ class TestOpenRepository:
             monkeypatch.delenv(var, raising=False)
 
     def test_default_is_a_local_repo_under_home(self, tmp_path: Path) -> None:
-        repo = open_repository(Settings(home=tmp_path))
+        repo = _open(tmp_path)
         assert isinstance(repo, LocalRepository) and repo.root == tmp_path / "repo"
 
     @pytest.mark.parametrize("url", ["file:///srv/aenv%20repo", "file://localhost/srv/aenv repo"])
     def test_file_urls(self, url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("AENV_SNAPSHOT_REPO", url)
-        repo = open_repository(Settings(home=tmp_path))
+        repo = _open(tmp_path)
         assert isinstance(repo, LocalRepository) and repo.root == Path("/srv/aenv repo")
 
     def test_s3_url_with_endpoint_and_credentials(
@@ -699,7 +708,7 @@ class TestOpenRepository:
         monkeypatch.setenv("AENV_S3_ENDPOINT", "http://127.0.0.1:9000")
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIA")
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
-        repo = open_repository(Settings(home=tmp_path))
+        repo = _open(tmp_path)
         assert isinstance(repo, S3Repository)
         assert repo.bucket == "my-bucket" and repo.prefix == "some/prefix"
         assert "s3cr3t" not in repr(repo) and "s3cr3t" not in repo.url
@@ -723,7 +732,7 @@ class TestOpenRepository:
     ) -> None:
         monkeypatch.setenv("AENV_SNAPSHOT_REPO", url)
         with pytest.raises(RepositoryConfigError, match=why) as ei:
-            open_repository(Settings(home=tmp_path))
+            _open(tmp_path)
         assert url in ei.value.message or why in ei.value.message
 
     def test_bad_endpoint_and_half_credentials(
@@ -732,11 +741,11 @@ class TestOpenRepository:
         monkeypatch.setenv("AENV_SNAPSHOT_REPO", "s3://bucket/p")
         monkeypatch.setenv("AENV_S3_ENDPOINT", "127.0.0.1:9000")
         with pytest.raises(RepositoryConfigError, match="AENV_S3_ENDPOINT"):
-            open_repository(Settings(home=tmp_path))
+            _open(tmp_path)
         monkeypatch.setenv("AENV_S3_ENDPOINT", "http://127.0.0.1:9000")
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "only-the-id")
         with pytest.raises(RepositoryConfigError, match="AWS_SECRET_ACCESS_KEY"):
-            open_repository(Settings(home=tmp_path))
+            _open(tmp_path)
 
 
 # --------------------------------------------------------------------------- pieces

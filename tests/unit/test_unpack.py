@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gzip
 import hashlib
 import io
@@ -367,7 +368,7 @@ async def test_many_pipes_at_once_do_not_starve(tmp_path: Path) -> None:
     blobs = [gzip.compress(t) for t in tars]
     pipes = [BlobPipe(max_chunks=2) for _ in blobs]
     futures = [
-        run_in_thread(lambda p=p, i=i: unpack_layer(p, tmp_path / f"l{i}", diff_id=sha(tars[i])))
+        run_in_thread(functools.partial(unpack_layer, p, tmp_path / f"l{i}", diff_id=sha(tars[i])))
         for i, p in enumerate(pipes)
     ]
 

@@ -29,8 +29,6 @@ ones stay for sandboxes (and checkpoints) that still use them. `bundle_build.py`
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -40,7 +38,6 @@ import subprocess
 import sys
 import sysconfig
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -48,6 +45,7 @@ from typing import Any, ClassVar
 from ..config import Settings
 from ..domain import ENVD_PORT
 from ..errors import AenvError
+from ..fsutil import flock
 from .base import Mount
 
 MOUNT = "/opt/aenv"
@@ -236,17 +234,6 @@ def bundle_digest(interp: Interpreter, app_dir: Path) -> str:
 # --- the bundle dir ------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def ensure_bundle(
     settings: Settings, *, python: Path | None = None, app_dir: Path | None = None
 ) -> EnvdBundle:
@@ -265,7 +252,7 @@ def ensure_bundle(
     from aenv.runtime.bundle_build import build_bundle
 
     root.mkdir(parents=True, exist_ok=True)
-    with _flock(root / f".lock-{digest}"):
+    with flock(root / f".lock-{digest}"):
         if (final / "bundle.json").is_file():
             return EnvdBundle.load(final)
         for stale in root.glob(f".tmp-{digest}-*"):

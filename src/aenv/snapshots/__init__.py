@@ -7,7 +7,6 @@ and keeps the node's bounded cache of memory images. Templates and hibernated sa
 snapshots of another `kind`.
 """
 
-from .config import SnapshotSettings
 from .errors import (
     ArtifactCorrupt,
     ArtifactError,
@@ -48,7 +47,6 @@ __all__ = [
     "S3Credentials",
     "S3Repository",
     "SnapshotNotFound",
-    "SnapshotSettings",
     "SnapshotStore",
     "Spec",
     "open_repository",

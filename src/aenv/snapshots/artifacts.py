@@ -35,6 +35,7 @@ from typing import IO, Literal, cast
 
 import zstandard
 
+from ..fsutil import rmtree
 from .errors import ArtifactCorrupt, ArtifactError
 
 Compression = Literal["none", "zstd"]
@@ -320,22 +321,3 @@ def clone_file(src: Path, dst: Path, *, allow_hardlink: bool) -> str:
     shutil.copyfile(src, dst)
     shutil.copymode(src, dst)
     return "copy"
-
-
-def rmtree(path: Path) -> None:
-    """rm -rf that tolerates what is already gone."""
-    path = Path(path)
-    if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
-        return
-
-    def onexc(func: object, p: str, exc: BaseException) -> None:
-        if isinstance(exc, FileNotFoundError):
-            return
-        with contextlib.suppress(OSError):
-            os.chmod(os.path.dirname(p), 0o700)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(p) if not os.path.isdir(p) else os.rmdir(p)
-
-    if path.exists():
-        shutil.rmtree(path, onerror=lambda f, p, ei: onexc(f, p, ei[1]))

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .artifacts import rmtree
+from ..fsutil import fsync_dir, fsync_file, rmtree
 
 
 @dataclass(frozen=True)
@@ -198,13 +198,5 @@ def _owned_bytes(d: Path) -> int:
 def _fsync_tree(d: Path) -> None:
     for entry in os.scandir(d):
         if entry.is_file(follow_symlinks=False):
-            fd = os.open(entry.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            fsync_file(entry.path)
+    fsync_dir(d)

@@ -1,9 +1,9 @@
 """Where snapshots, templates and hibernated sandboxes live: `Repository` and its backends.
 
-`open_repository` picks the backend from ``AENV_SNAPSHOT_REPO``:
+`open_repository` picks the backend from ``snapshot_repo`` (``AENV_SNAPSHOT_REPO``):
 
-- ``file:///abs/path`` (or a bare absolute path): `LocalRepository`; the default is
-  ``file://$AENV_HOME/repo``;
+- ``file:///abs/path`` (or a bare absolute path): `LocalRepository`; the default is the
+  node's own directory (``$AENV_HOME/repo``);
 - ``s3://bucket[/prefix]``: `S3Repository`, with ``AENV_S3_ENDPOINT`` / ``AENV_S3_REGION``
   and the standard ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``.
 """
@@ -15,8 +15,7 @@ import re
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from ..config import Settings
-from .config import SnapshotSettings
+from ..config import SnapshotSettings
 from .errors import RepositoryConfigError
 from .repos.base import ChecksumMismatch, ObjectInfo, Repository, check_key
 from .repos.local import LocalRepository
@@ -37,16 +36,15 @@ __all__ = [
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
-def repository_url(settings: Settings, snap: SnapshotSettings | None = None) -> str:
-    snap = snap or SnapshotSettings()
-    return snap.snapshot_repo or f"file://{settings.home / 'repo'}"
+def repository_url(snap: SnapshotSettings, default_dir: Path) -> str:
+    return snap.snapshot_repo or f"file://{default_dir}"
 
 
-def open_repository(settings: Settings, snap: SnapshotSettings | None = None) -> Repository:
-    """The repository configured by ``AENV_SNAPSHOT_REPO`` (see the module doc). Raises
-    `RepositoryConfigError` with the offending value on anything malformed."""
-    snap = snap or SnapshotSettings()
-    url = repository_url(settings, snap).strip()
+def open_repository(snap: SnapshotSettings, default_dir: Path) -> Repository:
+    """The repository configured by ``snapshot_repo`` (see the module doc), else a local
+    one in `default_dir` (`Settings.repo_dir`). Raises `RepositoryConfigError` with the
+    offending value on anything malformed."""
+    url = repository_url(snap, default_dir).strip()
     if url.startswith("/"):
         return LocalRepository(Path(url))
     parts = urlsplit(url)

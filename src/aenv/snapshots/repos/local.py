@@ -17,6 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ...fsutil import fsync_dir, fsync_file
 from ..errors import ObjectNotFound, RepositoryError
 from .base import CHUNK, HashingFileWriter, ObjectInfo, Repository, check_key, norm_prefix
 
@@ -51,13 +52,13 @@ class LocalRepository(Repository):
         final = self._path(key)
         try:
             os.chmod(tmp, _OBJECT_MODE)
-            _fsync_file(tmp)
+            fsync_file(tmp)
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
 
     def _put_file(self, key: str, path: Path, move: bool) -> None:
         check_key(key)
@@ -234,20 +235,3 @@ class LocalRepository(Repository):
                     entry.unlink()
                     n += 1
         return n
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
