@@ -78,7 +78,7 @@ def find_rootfs(home: Path) -> Path:
         finally:
             catalog.close()
         if found:
-            layers = list(found[1].get("layers") or [])
+            layers = list(found.layers)
             if len(layers) == 1:
                 return LayerStore(home / "layers").path(layers[0])
     raise BenchError(f"no single base layer under {home / 'layers'}")

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from .errors import CliError
+from .state import state_of
 
 
 class RichProgress:
@@ -135,13 +136,11 @@ def bench(
         from bench.client import BenchError
     except ImportError as exc:
         raise CliError(f"the benchmark harness (bench/) cannot be loaded: {exc}") from None
-    state = ctx.find_root().obj
+    state = state_of(ctx)
     # The global `aenv --url/--api-key` count too; without any URL the bench starts a server.
-    url = url or getattr(state, "url_option", None)
+    url = url or state.url_option
     if url:
-        api_key = api_key or getattr(state, "api_key_option", None)
-        if not api_key and state is not None and hasattr(state, "api_key"):
-            api_key = state.api_key()[0]
+        api_key = api_key or state.api_key_option or state.api_key()[0]
         if not api_key:
             raise CliError("--url needs --api-key (or AENV_API_KEY)")
     if (not url or baseline) and os.geteuid() != 0:
@@ -181,7 +180,3 @@ def bench(
         f"aenv: bench finished in {time.monotonic() - t0:.0f}s; results in {out} "
         f"(Markdown: .venv/bin/python bench/report.py)\n"
     )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("bench")(bench)

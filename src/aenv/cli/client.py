@@ -150,23 +150,23 @@ class ControlPlane:
         return out
 
     def get_sandbox(self, sandbox_id: str) -> dict[str, Any]:
-        data = self._json(self.request("GET", f"/sandboxes/{_seg(sandbox_id)}"))
+        data = self._json(self.request("GET", f"/sandboxes/{url_segment(sandbox_id)}"))
         if not isinstance(data, dict):
             raise CliError("the server's info answer is not a JSON object")
         return data
 
     def kill(self, sandbox_id: str) -> None:
-        self.request("DELETE", f"/sandboxes/{_seg(sandbox_id)}", ok=(204, 200))
+        self.request("DELETE", f"/sandboxes/{url_segment(sandbox_id)}", ok=(204, 200))
 
     def pause(self, sandbox_id: str) -> None:
-        self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/pause", json={}, ok=(204, 200))
+        self.request("POST", f"/sandboxes/{url_segment(sandbox_id)}/pause", json={}, ok=(204, 200))
 
     def connect(self, sandbox_id: str, timeout: int | None = None) -> dict[str, Any]:
         """Resume a paused sandbox (or just look up a running one) and return its
         `Sandbox` record, envdAccessToken included."""
         body: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         resp = self.request(
-            "POST", f"/v2/sandboxes/{_seg(sandbox_id)}/connect", json=body, ok=(200, 201)
+            "POST", f"/v2/sandboxes/{url_segment(sandbox_id)}/connect", json=body, ok=(200, 201)
         )
         data = self._json(resp)
         if not isinstance(data, dict):
@@ -176,7 +176,7 @@ class ControlPlane:
     def set_timeout(self, sandbox_id: str, timeout: int) -> None:
         self.request(
             "POST",
-            f"/sandboxes/{_seg(sandbox_id)}/timeout",
+            f"/sandboxes/{url_segment(sandbox_id)}/timeout",
             json={"timeout": timeout},
             ok=(204, 200),
         )
@@ -196,6 +196,6 @@ class ControlPlane:
         return data
 
 
-def _seg(value: str) -> str:
+def url_segment(value: str) -> str:
     """One URL path segment."""
     return quote(value, safe="")

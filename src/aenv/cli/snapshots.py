@@ -7,21 +7,11 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from .client import _seg
+from .client import url_segment
 from .output import console, print_json, print_table
-
-snapshot_app = typer.Typer(
-    help="Snapshots: templates made from running sandboxes.", no_args_is_help=True
-)
+from .state import state_of
 
 
-def _control(ctx: typer.Context) -> Any:
-    from .main import _state
-
-    return _state(ctx).control()
-
-
-@snapshot_app.command("create")
 def snapshot_create(
     ctx: typer.Context,
     sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="Sandbox ID.")],
@@ -29,8 +19,10 @@ def snapshot_create(
 ) -> None:
     """Snapshot a sandbox (files, memory, processes); it keeps running. Prints the id."""
     body: dict[str, Any] = {} if name is None else {"name": name}
-    with _control(ctx) as cp:
-        resp = cp.request("POST", f"/sandboxes/{_seg(sandbox_id)}/snapshots", json=body, ok=(201,))
+    with state_of(ctx).control() as cp:
+        resp = cp.request(
+            "POST", f"/sandboxes/{url_segment(sandbox_id)}/snapshots", json=body, ok=(201,)
+        )
     data = resp.json()
     print(data["snapshotID"])
     timing = resp.headers.get("server-timing")
@@ -38,7 +30,6 @@ def snapshot_create(
         console(stderr=True).print(f"stages: {timing}", style="dim", markup=False)
 
 
-@snapshot_app.command("ls")
 def snapshot_ls(
     ctx: typer.Context,
     sandbox_id: Annotated[
@@ -49,7 +40,7 @@ def snapshot_ls(
     """List snapshots."""
     params = {"sandboxID": sandbox_id} if sandbox_id else {}
     items: list[dict[str, Any]] = []
-    with _control(ctx) as cp:
+    with state_of(ctx).control() as cp:
         token: str | None = None
         while True:
             q = dict(params, **({"nextToken": token} if token else {}))
@@ -83,8 +74,10 @@ def fork(
     body: dict[str, Any] = {"count": count}
     if timeout is not None:
         body["timeout"] = timeout
-    with _control(ctx) as cp:
-        resp = cp.request("POST", f"/sandboxes/{_seg(sandbox_id)}/fork", json=body, ok=(201,))
+    with state_of(ctx).control() as cp:
+        resp = cp.request(
+            "POST", f"/sandboxes/{url_segment(sandbox_id)}/fork", json=body, ok=(201,)
+        )
     failed = 0
     for entry in resp.json():
         if entry.get("sandbox"):
