@@ -20,6 +20,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from aenv.domain import ENVD_PORT
+
 BODY = b'{"path":"/home/user"}'
 REPLY = (
     b'{"entry":{"name":"user","type":"FILE_TYPE_DIRECTORY","path":"/home/user",'
@@ -30,8 +32,9 @@ REQUEST = (
     b"POST /filesystem.Filesystem/Stat HTTP/1.1\r\nhost: 127.0.0.1:8000\r\n"
     b"user-agent: connectrpc/0.12.1\r\ncontent-type: application/json\r\n"
     b"connect-protocol-version: 1\r\naccept-encoding: identity\r\n"
-    b"content-encoding: identity\r\ne2b-sandbox-id: sbxbench\r\ne2b-sandbox-port: 49983\r\n"
-    b"x-access-token: 0123456789abcdef\r\ncontent-length: %d\r\n\r\n%b" % (len(BODY), BODY)
+    b"content-encoding: identity\r\ne2b-sandbox-id: sbxbench\r\ne2b-sandbox-port: %d\r\n"
+    b"x-access-token: 0123456789abcdef\r\ncontent-length: %d\r\n\r\n%b"
+    % (ENVD_PORT, len(BODY), BODY)
 )
 
 
