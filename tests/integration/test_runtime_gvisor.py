@@ -602,8 +602,9 @@ async def test_layer_stack_is_shared_and_read_only(
     )
     try:
         await asyncio.gather(wait_http(a), wait_http(b))
-        assert rec(a).rootfs_key == rec(b).rootfs_key
-        mnt = settings.home / "mnt" / rec(a).rootfs_key
+        key = rec(a).rootfs_key
+        assert key is not None and key == rec(b).rootfs_key
+        mnt = settings.home / "mnt" / key
         assert mount_points(settings.home).count(mnt) == 1
         assert "upper layer" in await get(a, "/www/extra.html")
         assert "hello" in await get(a, "/www/index.html")
@@ -1220,7 +1221,7 @@ async def test_reconcile_after_crash(
         assert traces["links"] == [addr.host_if(rec(keep).slot)]
         assert not rec(drop).bundle_dir.exists() and rec(keep).bundle_dir.exists()
         mnt = settings.home / "mnt"
-        assert traces["mounts"] == [str(mnt / rec(keep).rootfs_key)]
+        assert traces["mounts"] == [str(mnt / str(rec(keep).rootfs_key))]
         crash(rt2)
         del rt2
 

@@ -11,7 +11,7 @@ import pytest_asyncio
 from tests.contract.runtime_contract import RuntimeContract, Specs
 
 from aenv.errors import RuntimeFailure
-from aenv.runtime.base import Runtime
+from aenv.runtime.base import Instance, Runtime
 from aenv.runtime.fake import Call, FakeHost, FakeRuntime, FakeState
 
 
@@ -72,7 +72,7 @@ async def test_fail_next_after_some_calls(
     parent = await runtime.create(specs("f-par"))
     await runtime.checkpoint(parent, tmp_path / "img", leave_running=True)
     runtime.fail_next("restore", OSError("disk full"), after=1)
-    results = []
+    results: list[Instance | OSError] = []
     for n in range(3):
         try:
             results.append(await runtime.restore(specs(f"f-kid{n}"), tmp_path / "img"))
