@@ -20,7 +20,7 @@ import json
 import os
 import secrets
 import tomllib
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -297,6 +297,7 @@ class _EnvSource(EnvSettingsSource):
         return data
 
 
+@cache
 def _env_reader(section: type[BaseModel]) -> type[BaseSettings]:
     """`section` as a BaseSettings class, so that pydantic-settings decodes its variables
     exactly as it does the top-level ones (JSON for dicts, `NoDecode` lists left raw)."""

@@ -26,11 +26,9 @@ from .cache import ImageCache
 from .context import StoreContext
 from .fetching import Fetcher
 from .manifest import Manifest, manifest_key
-from .publishing import Publisher, layer_prefix
+from .publishing import Publisher
 from .repos.base import Repository
 from .sweeping import sweep
-
-__all__ = ["SnapshotStore", "layer_prefix"]
 
 
 class SnapshotStore:
