@@ -710,8 +710,8 @@ def test_envd_errors_are_connect_errors(fake: FakeAenv) -> None:
 def test_template_build_base_progress_quiet_and_errors(
     cli: CliRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aenv.errors import AenvError
     from aenv.builds import base
+    from aenv.errors import AenvError
 
     seen: list[Any] = []
 
