@@ -17,7 +17,7 @@ import multiprocessing
 import socket
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
 from aenv.domain import ENVD_PORT
@@ -41,7 +41,7 @@ REQUEST = (
 # ------------------------------------------------------------------ servers (child processes)
 
 
-async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def upstream_app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] != "http":
         return
     while (await receive()).get("more_body"):
@@ -59,7 +59,7 @@ async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": REPLY})
 
 
-async def control_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def control_app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] == "lifespan":
         while True:
             message = await receive()
