@@ -1,6 +1,6 @@
 """Helpers every test suite shares (unit, integration): loopback ports, waiting for a
-condition, serving an ASGI app with uvicorn. Imported as `tests.helpers` (pytest runs from
-the repository root, and `tests/` is a package).
+condition, serving a fake or an ASGI app on loopback. Imported as `tests.helpers` (pytest
+runs from the repository root, and `tests/` is a package).
 
 Waits poll a condition until a deadline, which only bounds how long a broken run hangs: no
 test asserts how fast something happened (timing goals live in bench/).
@@ -15,6 +15,7 @@ import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -108,6 +109,21 @@ def wait_healthy(
             raise
         tail = log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"
         raise AssertionError(f"{e}\n{tail}") from None
+
+
+@contextlib.contextmanager
+def http_server_thread(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A stdlib HTTP server (one thread per request) on a free loopback port, for fakes
+    written as request handlers; yields its base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @contextlib.contextmanager

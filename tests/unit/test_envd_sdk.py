@@ -13,13 +13,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from tests.helpers import wait_until
+from tests.helpers import http_server_thread, wait_until
 
 e2b = pytest.importorskip("e2b")
 
@@ -96,20 +96,18 @@ def envd(envd_launcher: Callable[..., str]) -> str:
 
 @pytest.fixture(scope="module")
 def sbx(envd: str) -> Iterator[Any]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _ControlPlane)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     mp = pytest.MonkeyPatch()
-    mp.setenv("E2B_API_URL", f"http://127.0.0.1:{server.server_address[1]}")
-    mp.setenv("E2B_SANDBOX_URL", envd)
-    mp.setenv("E2B_API_KEY", "x")
-    mp.delenv("E2B_DEBUG", raising=False)
-    try:
-        sandbox = e2b.Sandbox.create()
-        yield sandbox
-        assert sandbox.kill() is True
-    finally:
-        mp.undo()
-        server.shutdown()
+    with http_server_thread(_ControlPlane) as control_url:
+        mp.setenv("E2B_API_URL", control_url)
+        mp.setenv("E2B_SANDBOX_URL", envd)
+        mp.setenv("E2B_API_KEY", "x")
+        mp.delenv("E2B_DEBUG", raising=False)
+        try:
+            sandbox = e2b.Sandbox.create()
+            yield sandbox
+            assert sandbox.kill() is True
+        finally:
+            mp.undo()
 
 
 def test_commands_run(sbx: Any, tmp_path: Path) -> None:
