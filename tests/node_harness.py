@@ -8,13 +8,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from aenv.config import Settings
 from aenv.domain import TemplateKind, TemplateRecord
 from aenv.images.layers import LayerStore
 from aenv.orchestrator import Orchestrator
 from aenv.orchestrator.catalog import Catalog
+from aenv.orchestrator.envd_client import EnvdClient
 from aenv.orchestrator.storage import SandboxStorage
 from aenv.runtime.bundle import EnvdBundle
 from aenv.runtime.fake import FakeHost, FakeRuntime
@@ -140,7 +141,7 @@ def build(
         runtime,
         storage=storage,
         bundle=EnvdBundle(host_path=bundle_dir, digest="test"),
-        envd=envd,
+        envd=cast(EnvdClient, envd),  # the fake has the client's surface
         clock=clock,
     )
     return Harness(home, host, clock, envd, settings, orch, runtime, catalog)

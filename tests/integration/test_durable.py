@@ -96,7 +96,7 @@ def test_snapshot_travels_through_s3_to_a_fresh_node(s3_endpoint: str) -> None:
             time.sleep(0.3)
         for d in (a.home / "cache" / "images").glob(f"hib-{s.sandbox_id}*"):
             shutil.rmtree(d)  # evicted from the node's cache: resume must download it
-        again = Sandbox.connect(s.sandbox_id, **c)  # type: ignore[arg-type]
+        again = Sandbox.connect(s.sandbox_id, **c)  # type: ignore[call-overload]
         assert again.files.read("/home/user/hib.txt") == "slept in s3"
         assert "sleep 4321" in again.commands.run("ps aux").stdout
         deadline = time.time() + 60

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Iterator
 
 import pytest
 from e2b import Sandbox
@@ -30,7 +31,7 @@ def _host_addresses() -> list[str]:
 
 
 @pytest.fixture
-def host_listener() -> tuple[int, threading.Event]:
+def host_listener() -> Iterator[tuple[int, threading.Event]]:
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(("0.0.0.0", 0))

@@ -62,8 +62,18 @@ def _doc_to_record(doc: str) -> SandboxRecord:
     d["started_at"] = datetime.fromisoformat(d["started_at"])
     d["end_at"] = datetime.fromisoformat(d["end_at"])
     d["state"] = SandboxState(d["state"])
-    if d.get("instance") is not None:
-        d["instance"] = Instance(**d["instance"])
+    inst = d.get("instance")
+    if inst is not None:
+        if "container_id" in inst:  # written before the handle was opaque
+            inst = {
+                "sandbox_id": inst["sandbox_id"],
+                "id": inst.pop("container_id"),
+                "address": inst["address"],
+                "data": inst,
+            }
+        d["instance"] = Instance(**inst)
+    if d.get("paused") is None and d.get("paused_state"):  # the same, before PausedState
+        d["paused"] = d["paused_state"]
     if d.get("paused") is not None:
         p = d["paused"]
         d["paused"] = PausedState(
