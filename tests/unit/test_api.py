@@ -20,9 +20,9 @@ from aenv.api.app import create_app
 from aenv.api.idempotency import IdempotencyCache
 from aenv.api.listing import Cursor, paginate, parse_metadata_filter
 from aenv.config import Settings
-from aenv.errors import BadRequest, Conflict, NotFound
 from aenv.domain import CreateRequest, SandboxRecord, Timings
 from aenv.domain import SandboxState as State
+from aenv.errors import BadRequest, Conflict, NotFound
 
 API_KEY = "e2b_test_key_0123456789"
 BASE = datetime(2025, 1, 1, tzinfo=UTC)
