@@ -8,6 +8,7 @@ restore it instead. Made anew at each start of the node, never published."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 from ..domain import SandboxState, TemplateRecord, Timings
 from .boot import Booter
@@ -26,23 +27,16 @@ MAX_BOOT_SNAPSHOTS = 8
 DEFAULT_TEMPLATE = "base"
 
 
+@dataclass
 class BootSnapshots:
-    def __init__(
-        self,
-        ctx: NodeContext,
-        table: SandboxTable,
-        booter: Booter,
-        snapshotter: Snapshotter,
-        templates: TemplateRegistry,
-    ) -> None:
-        self.ctx = ctx
-        self.table = table
-        self.booter = booter
-        self.snapshotter = snapshotter
-        self.templates = templates
-        self._made: dict[BootKey, TemplateRecord] = {}
-        self._tried: set[BootKey] = set()
-        self._cleaned = False  # boot snapshots of earlier runs deleted
+    ctx: NodeContext
+    table: SandboxTable
+    booter: Booter
+    snapshotter: Snapshotter
+    templates: TemplateRegistry
+    _made: dict[BootKey, TemplateRecord] = field(default_factory=dict, init=False)
+    _tried: set[BootKey] = field(default_factory=set, init=False)
+    _cleaned: bool = field(default=False, init=False)
 
     def for_shape(self, tpl: TemplateRecord, cpu: int, mem: int) -> TemplateRecord | None:
         """The boot snapshot to restore a new sandbox of this template and size from, if

@@ -27,20 +27,13 @@ class ForkResult:
     error: AenvError | None = None
 
 
+@dataclass
 class Forker:
-    def __init__(
-        self,
-        ctx: NodeContext,
-        table: SandboxTable,
-        snapshotter: Snapshotter,
-        sandboxes: Sandboxes,
-        templates: TemplateRegistry,
-    ) -> None:
-        self.ctx = ctx
-        self.table = table
-        self.snapshotter = snapshotter
-        self.sandboxes = sandboxes
-        self.templates = templates
+    ctx: NodeContext
+    table: SandboxTable
+    snapshotter: Snapshotter
+    sandboxes: Sandboxes
+    templates: TemplateRegistry
 
     async def fork(
         self,

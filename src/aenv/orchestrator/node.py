@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass, field
 
 from ..domain import PauseTier, SandboxState
 from ..errors import AenvError
@@ -24,27 +25,17 @@ TICK_SECONDS = 1.0
 _ON_DISK = (PauseTier.HIBERNATED, PauseTier.FILES)
 
 
+@dataclass
 class Node:
-    def __init__(
-        self,
-        ctx: NodeContext,
-        table: SandboxTable,
-        runtime: Runtime,
-        templates: TemplateRegistry,
-        sandboxes: Sandboxes,
-        pauser: Pauser,
-        pool: WarmPool,
-        envd: EnvdClient,
-    ) -> None:
-        self.ctx = ctx
-        self.table = table
-        self.runtime = runtime
-        self.templates = templates
-        self.sandboxes = sandboxes
-        self.pauser = pauser
-        self.pool = pool
-        self.envd = envd
-        self._timer: asyncio.Task[None] | None = None
+    ctx: NodeContext
+    table: SandboxTable
+    runtime: Runtime
+    templates: TemplateRegistry
+    sandboxes: Sandboxes
+    pauser: Pauser
+    pool: WarmPool
+    envd: EnvdClient
+    _timer: asyncio.Task[None] | None = field(default=None, init=False)
 
     async def start(self, *, timers: bool = True) -> None:
         await self.recover()

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+from dataclasses import dataclass
 from datetime import timedelta
 
 from ..domain import (
@@ -40,20 +41,13 @@ log = logging.getLogger("aenv.orchestrator")
 PUBLISH_HIBERNATION_AFTER = 5.0
 
 
+@dataclass
 class Pauser:
-    def __init__(
-        self,
-        ctx: NodeContext,
-        table: SandboxTable,
-        booter: Booter,
-        runtime: Runtime,
-        templates: TemplateRegistry,
-    ) -> None:
-        self.ctx = ctx
-        self.table = table
-        self.booter = booter
-        self.runtime = runtime
-        self.templates = templates
+    ctx: NodeContext
+    table: SandboxTable
+    booter: Booter
+    runtime: Runtime
+    templates: TemplateRegistry
 
     # ------------------------------------------------------------------ pause
     async def pause(

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from ..domain import CreateRequest, SandboxRecord, SandboxState, TemplateRecord, Timings
@@ -24,22 +25,15 @@ REFILL_DELAY = 0.75
 DEFAULT_TEMPLATE = "base"
 
 
+@dataclass
 class WarmPool:
-    def __init__(
-        self,
-        ctx: NodeContext,
-        table: SandboxTable,
-        booter: Booter,
-        templates: TemplateRegistry,
-        boot_snapshots: BootSnapshots,
-    ) -> None:
-        self.ctx = ctx
-        self.table = table
-        self.booter = booter
-        self.templates = templates
-        self.boot_snapshots = boot_snapshots
-        self._warm: list[SandboxRecord] = []
-        self._task: asyncio.Task[None] | None = None
+    ctx: NodeContext
+    table: SandboxTable
+    booter: Booter
+    templates: TemplateRegistry
+    boot_snapshots: BootSnapshots
+    _warm: list[SandboxRecord] = field(default_factory=list, init=False)
+    _task: asyncio.Task[None] | None = field(default=None, init=False)
 
     def take(self, tpl: TemplateRecord, cpu: int, mem: int) -> SandboxRecord | None:
         if tpl.has_memory:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,26 +24,16 @@ from .templates import TemplateRegistry
 _GONE = (SandboxState.KILLED, SandboxState.KILLING)
 
 
+@dataclass
 class Sandboxes:
-    def __init__(
-        self,
-        ctx: NodeContext,
-        table: SandboxTable,
-        booter: Booter,
-        templates: TemplateRegistry,
-        pool: WarmPool,
-        boot_snapshots: BootSnapshots,
-        runtime: Runtime,
-        storage: SandboxStorage,
-    ) -> None:
-        self.ctx = ctx
-        self.table = table
-        self.booter = booter
-        self.templates = templates
-        self.pool = pool
-        self.boot_snapshots = boot_snapshots
-        self.runtime = runtime
-        self.storage = storage
+    ctx: NodeContext
+    table: SandboxTable
+    booter: Booter
+    templates: TemplateRegistry
+    pool: WarmPool
+    boot_snapshots: BootSnapshots
+    runtime: Runtime
+    storage: SandboxStorage
 
     async def create(self, req: CreateRequest, timings: Timings | None = None) -> SandboxRecord:
         t = timings or Timings()

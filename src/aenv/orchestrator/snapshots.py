@@ -9,6 +9,7 @@ from __future__ import annotations
 import builtins
 import re
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,20 +34,13 @@ from .templates import TemplateRegistry
 Restore = Coroutine[Any, Any, None]
 
 
+@dataclass
 class Snapshotter:
-    def __init__(
-        self,
-        ctx: NodeContext,
-        table: SandboxTable,
-        booter: Booter,
-        runtime: Runtime,
-        templates: TemplateRegistry,
-    ) -> None:
-        self.ctx = ctx
-        self.table = table
-        self.booter = booter
-        self.runtime = runtime
-        self.templates = templates
+    ctx: NodeContext
+    table: SandboxTable
+    booter: Booter
+    runtime: Runtime
+    templates: TemplateRegistry
 
     async def snapshot(
         self,
