@@ -12,6 +12,8 @@ import pytest
 from e2b import Sandbox
 from e2b.exceptions import SandboxException
 
+from tests.helpers import wait_until
+
 from .conftest import Server, running_server
 
 pytestmark = pytest.mark.integration
@@ -30,10 +32,12 @@ def _template_doc(server: Server, template_id: str) -> dict[str, object]:
 
 
 def _wait_published(server: Server, template_id: str, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not _template_doc(server, template_id).get("published"):
-        assert time.time() < deadline, f"snapshot {template_id} was never published"
-        time.sleep(0.3)
+    wait_until(
+        lambda: _template_doc(server, template_id).get("published"),
+        timeout,
+        0.3,
+        f"snapshot {template_id} to be published",
+    )
 
 
 def _s3_keys(endpoint: str, bucket: str, prefix: str) -> list[str]:

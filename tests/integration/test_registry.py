@@ -20,7 +20,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tarfile
 import tempfile
@@ -46,6 +45,7 @@ from aenv.images.layers import LayerStore
 from aenv.images.manifests import DigestMismatch
 from aenv.images.pull import LayerProgress, pull
 from aenv.images.registry import RegistryClient
+from tests.helpers import free_port, wait_healthy
 
 REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
 SKOPEO = shutil.which("skopeo")
@@ -75,12 +75,6 @@ MTIME = 1_700_000_000
 
 def sha(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- building images ---
@@ -410,17 +404,12 @@ def start_registry(workdir: Path, storage: Path, auth: dict[str, Any] | None = N
         stdin=subprocess.DEVNULL,
     )
     reg = Registry(f"127.0.0.1:{port}", storage, proc, log)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"docker-registry exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://{reg.host}/v2/", timeout=1).status_code in (200, 401):
-                return reg
-        except httpx.TransportError:
-            time.sleep(0.05)
-    reg.stop()
-    raise RuntimeError(f"docker-registry did not start:\n{log.read_text()[-3000:]}")
+    try:
+        wait_healthy(f"http://{reg.host}", 20, proc=proc, path="/v2/", status=(200, 401), log=log)
+    except AssertionError:
+        reg.stop()
+        raise
+    return reg
 
 
 def push(layout: Layout, tag: str, registry: Registry, name: str, *extra: str) -> None:

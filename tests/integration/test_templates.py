@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from e2b import Sandbox, Template
 from e2b.exceptions import BuildException
+
+from tests.helpers import wait_healthy
 
 from .conftest import AENV, TEST_REGISTRY, Server, running_server
 from .test_registry import (
@@ -113,17 +114,12 @@ def _start_registry(workdir: Path) -> Registry:
         stdin=subprocess.DEVNULL,
     )
     reg = Registry(host, storage, proc, log)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"docker-registry exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://{host}/v2/", timeout=1).status_code == 200:
-                return reg
-        except httpx.TransportError:
-            time.sleep(0.05)
-    reg.stop()
-    raise RuntimeError(f"docker-registry did not start on {host}")
+    try:
+        wait_healthy(f"http://{host}", 20, proc=proc, path="/v2/", status=200, log=log)
+    except AssertionError:
+        reg.stop()
+        raise
+    return reg
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import os
 import queue
 import select
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -24,11 +23,12 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
+from tests.helpers import free_port, http_server_thread, wait_until
 from typer.testing import CliRunner
 
 from aenv.cli.connect import ConnectError, EnvdClient
@@ -305,16 +305,9 @@ class _Handler(BaseHTTPRequestHandler):
 def fake() -> Iterator[FakeAenv]:
     state = FakeAenv()
     handler = type("Handler", (_Handler,), {"fake": state})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with http_server_thread(handler) as url:
+        state.url = url
         yield state
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture
@@ -414,9 +407,7 @@ def test_rm_unknown_id_is_one_line_and_exit_1(cli: CliRunner, fake: FakeAenv) ->
 
 
 def test_server_unreachable_is_one_line(cli: CliRunner) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     for args in (["ls"], ["rm", "x"], ["exec", "x", "--", "true"], ["start", "-d"]):
         res = cli.invoke(app, ["--url", f"http://127.0.0.1:{port}", *args])
         assert res.exit_code == 1, args
@@ -542,10 +533,8 @@ def test_start_on_a_tty_raw_mode_resize_and_restore(fake: FakeAenv, tmp_path: An
         assert not termios.tcgetattr(slave)[3] & termios.ECHO  # raw: no local echo
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
         child.send_signal(signal.SIGWINCH)
-        deadline = time.monotonic() + 10
-        while not fake.updates and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert fake.updates and fake.updates[-1]["pty"]["size"] == {"cols": 120, "rows": 40}
+        wait_until(lambda: fake.updates, what="the pty resize to reach the server")
+        assert fake.updates[-1]["pty"]["size"] == {"cols": 120, "rows": 40}
         os.write(master, b"echo hi\r")
         assert b"echo hi" in _read_until(master, b"echo hi")
         os.write(master, b"\x04")
