@@ -118,7 +118,7 @@ class Pauser:
         await self.booter.seal(r, t)
         r.paused = PausedState(PauseTier.HIBERNATED, r.paused.paused_at, image=name)
         await self.table.save(r)
-        if self.templates.durable is not None:
+        if self.templates.has_repository:
             self.ctx.spawn(self._publish_hibernation(r.sandbox_id, name))
         log.info("sandbox %s hibernated", r.sandbox_id)
 
