@@ -4,9 +4,6 @@ pagination, validation, idempotency, and the real e2b SDK parsing our responses.
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -14,7 +11,7 @@ from urllib.parse import quote, urlencode
 
 import httpx
 import pytest
-import uvicorn
+from tests.helpers import uvicorn_thread
 
 from aenv.api.app import create_app
 from aenv.api.idempotency import IdempotencyCache
@@ -805,23 +802,8 @@ async def test_pause_connect_resume(client: httpx.AsyncClient, orch: FakeOrchest
 def served(settings: Settings) -> Iterator[tuple[str, FakeOrchestrator]]:
     orch = FakeOrchestrator()
     app = create_app(settings, orch)  # type: ignore[arg-type]
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", orch
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with uvicorn_thread(app, lifespan="on") as url:
+        yield url, orch
 
 
 def test_e2b_sdk_parses_our_responses(served: tuple[str, FakeOrchestrator]) -> None:
