@@ -11,6 +11,8 @@ import httpx
 import pytest
 from e2b import Sandbox
 
+from tests.helpers import wait_until
+
 from .conftest import Server
 from .helpers import sandbox_record
 
@@ -34,21 +36,15 @@ def counter(s: Sandbox) -> int:
 
 def rising(s: Sandbox, above: int, timeout: float = 10) -> int:
     """Waits until the sandbox's in-memory counter is past `above`; returns it."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        v = counter(s)
-        if v > above:
-            return v
-        time.sleep(0.1)
-    raise AssertionError(f"counter stuck at or below {above}")
+    return wait_until(
+        lambda: (v := counter(s)) > above and v, timeout, 0.1, f"the counter to pass {above}"
+    )
 
 
 def start_counter(s: Sandbox) -> int:
     s.files.write("/home/user/counter.py", COUNTER)
     s.commands.run("python3 /home/user/counter.py", background=True)
-    deadline = time.time() + 10
-    while not s.files.exists("/home/user/counter") and time.time() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: s.files.exists("/home/user/counter"), 10, 0.05, "the counter file")
     return rising(s, 3)
 
 
