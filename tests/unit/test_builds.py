@@ -23,7 +23,7 @@ from aenv.builds import stack
 from aenv.builds.builder import split_name
 from aenv.builds.files import BuildFiles
 from aenv.builds.spec import BuildState, Step, apply_state_step, cache_key, parse_spec
-from aenv.builds.store import BuildRecord, BuildStore, LogEntry
+from aenv.builds.store import BuildReason, BuildRecord, BuildStore, LogEntry
 from aenv.config import Settings
 from aenv.domain import TemplateRecord
 from aenv.errors import BadRequest, Forbidden, NotFound
@@ -118,7 +118,7 @@ def test_split_name() -> None:
 
 def test_store_builds_logs_and_cache(tmp_path: Path) -> None:
     store = BuildStore(tmp_path / "builds.db")
-    b = BuildRecord("b1", "t1", "waiting", time.time(), time.time(), {"names": ["n"]})
+    b = BuildRecord("b1", "t1", "waiting", time.time(), time.time(), names=["n"])
     store.put(b)
     store.add_logs("b1", [LogEntry(i, time.time(), "info", f"line {i}") for i in range(5)])
     assert [e.message for e in store.logs("b1")][2:] == ["line 2", "line 3", "line 4"]
@@ -133,6 +133,72 @@ def test_store_builds_logs_and_cache(tmp_path: Path) -> None:
     assert store.cached("k") is None
     store.delete_template("t1")
     assert store.get("b1") is None and store.logs("b1") == []
+
+
+def test_store_build_record_round_trip(tmp_path: Path) -> None:
+    store = BuildStore(tmp_path / "builds.db")
+    spec = parse_spec(
+        {
+            "fromImage": "alpine:3",
+            "fromImageRegistry": {"type": "registry", "username": "u", "password": "p"},
+            "steps": [{"type": "COPY", "args": ["a", "/a"], "filesHash": "h1"}],
+            "startCmd": "serve",
+        }
+    )
+    b = BuildRecord(
+        "b1",
+        "t1",
+        "error",
+        1.0,
+        2.0,
+        name="env",
+        names=["env", "env:v1"],
+        tags=["v1"],
+        cpu_count=2,
+        memory_mb=1024,
+        spec=spec,
+        reason=BuildReason("it broke", "3"),
+        finished=5.0,
+    )
+    store.put(b)
+    got = store.get("b1")
+    assert got is not None and got.spec is not None
+    # The credentials never reach the disk.
+    assert got.spec.registry == {"type": "registry"}
+    assert got.spec.to_json() == spec.to_json()
+    assert (got.name, got.names, got.tags) == ("env", ["env", "env:v1"], ["v1"])
+    assert (got.cpu_count, got.memory_mb, got.finished) == (2, 1024, 5.0)
+    assert got.reason == BuildReason("it broke", "3")
+
+
+def test_store_reads_the_doc_of_existing_builds_db(tmp_path: Path) -> None:
+    """A row as earlier versions wrote it (and a key this one does not know) still loads."""
+    store = BuildStore(tmp_path / "builds.db")
+    doc = {
+        "names": ["n", "n:t"],
+        "name": "n",
+        "tags": ["t"],
+        "cpu_count": 4,
+        "memory_mb": 2048,
+        "spec": {"fromTemplate": "base", "force": False, "steps": []},
+        "reason": {"message": "the build was cancelled"},
+        "finished": 9.5,
+        "from_the_future": 1,
+    }
+    store._run(
+        "INSERT INTO builds(build_id, template_id, status, created, updated, doc) "
+        "VALUES(?,?,?,?,?,?)",
+        ("b2", "t2", "error", 1.0, 2.0, json.dumps(doc)),
+    )
+    got = store.get("b2")
+    assert got is not None and got.spec is not None
+    assert got.spec.from_template == "base"
+    assert got.reason == BuildReason("the build was cancelled", None)
+    assert (got.names, got.cpu_count, got.memory_mb, got.finished) == (["n", "n:t"], 4, 2048, 9.5)
+    store.put(got)
+    (raw,) = store._run("SELECT doc FROM builds WHERE build_id='b2'")[0]
+    del doc["from_the_future"]
+    assert json.loads(raw) == doc
 
 
 def _tar(entries: dict[str, bytes], gz: bool = True) -> bytes:
@@ -326,7 +392,7 @@ async def test_routes_request_upload_and_status(tmp_path: Path) -> None:
         rec = store.get(bid)
         assert rec is not None
         rec.status = "error"
-        rec.doc["reason"] = {"message": 'step 1 RUN "false" failed: exit status 1', "step": "1"}
+        rec.reason = BuildReason('step 1 RUN "false" failed: exit status 1', "1")
         store.put(rec)
         store.add_logs(bid, [LogEntry(i, time.time(), "info", f"l{i}") for i in range(150)])
         seen: list[str] = []

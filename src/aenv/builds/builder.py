@@ -27,7 +27,7 @@ from .finalize import READY_TIMEOUT, finalize
 from .images import Images
 from .job import BUILD_PIN, META_BUILD, ActiveBuild, BuildFailed, BuildJob
 from .spec import parse_spec
-from .store import LEVELS, BuildRecord, BuildStore, LogEntry
+from .store import LEVELS, BuildReason, BuildRecord, BuildStore, LogEntry
 
 log = logging.getLogger("aenv.builds")
 
@@ -73,8 +73,8 @@ class Builder:
         transient internal templates and a build's snapshot not yet made its template."""
         for b in await asyncio.to_thread(self.store.unfinished):
             b.status = "error"
-            b.doc["reason"] = {"message": "the build was interrupted by a server restart"}
-            b.doc["finished"] = time.time()
+            b.reason = BuildReason("the build was interrupted by a server restart")
+            b.finished = time.time()
             await asyncio.to_thread(self.store.put, b)
         for r in self.orch.list():
             if r.metadata.get(META_BUILD):
@@ -141,13 +141,11 @@ class Builder:
             status="waiting",
             created=now,
             updated=now,
-            doc={
-                "names": names,
-                "name": base,
-                "tags": all_tags,
-                "cpu_count": cpu_count or self.settings.default_cpu_count,
-                "memory_mb": memory_mb or self.settings.default_memory_mb,
-            },
+            name=base,
+            names=names,
+            tags=all_tags,
+            cpu_count=cpu_count or self.settings.default_cpu_count,
+            memory_mb=memory_mb or self.settings.default_memory_mb,
         )
         await asyncio.to_thread(self.store.put, record)
         return record
@@ -169,8 +167,8 @@ class Builder:
                 raise BadRequest(
                     f"step {i} {step.describe()}: its files ({step.files_hash}) were not uploaded"
                 )
-        b.doc["spec"] = spec.to_json()
-        ab = ActiveBuild(record=b, spec=spec)
+        b.spec = spec
+        ab = ActiveBuild(record=b)
         self._active[build_id] = ab
         await asyncio.to_thread(self.store.put, b)
         ab.log("info", f"build {build_id} of template {b.template_id} queued")
@@ -233,35 +231,36 @@ class Builder:
             async with self._sem:
                 b.status = "building"
                 await asyncio.to_thread(self.store.put, b)
-                assert ab.spec is not None
-                at = await job.layers(ab.spec)
-                await finalize(job, ab.spec, at, self.ready_timeout)
+                spec = b.spec
+                assert spec is not None
+                at = await job.layers(spec)
+                await finalize(job, spec, at, self.ready_timeout)
             b.status = "ready"
             ab.log("info", f"build finished in {time.monotonic() - t0:.1f}s", "finalize")
         except BuildFailed as e:
             b.status = "error"
-            b.doc["reason"] = {"message": e.message, **({"step": e.step} if e.step else {})}
+            b.reason = BuildReason(e.message, e.step or None)
             ab.log("error", e.message, e.step)
         except asyncio.CancelledError:
             b.status = "error"
-            b.doc["reason"] = {"message": "the build was cancelled"}
+            b.reason = BuildReason("the build was cancelled")
             ab.log("error", "the build was cancelled")
         except AenvError as e:
             b.status = "error"
             msg = f"step {ab.step} failed: {e.message}" if ab.step else e.message
-            b.doc["reason"] = {"message": msg, **({"step": ab.step} if ab.step else {})}
+            b.reason = BuildReason(msg, ab.step or None)
             ab.log("error", msg)
         except Exception as e:
             log.exception("build %s failed", bid)
             b.status = "error"
-            b.doc["reason"] = {"message": f"internal error: {type(e).__name__}: {e}"}
-            ab.log("error", b.doc["reason"]["message"])
+            b.reason = BuildReason(f"internal error: {type(e).__name__}: {e}")
+            ab.log("error", b.reason.message)
         finally:
             for sid in list(ab.sandboxes):
                 with contextlib.suppress(Exception):
                     await self.orch.kill(sid)
             ab.sandboxes.clear()
-            b.doc["finished"] = time.time()
+            b.finished = time.time()
             with contextlib.suppress(Exception):
                 await self.orch.release_layers(BUILD_PIN, bid)
             with contextlib.suppress(Exception):

@@ -47,11 +47,10 @@ class BuildFailed(Exception):
 
 @dataclass
 class ActiveBuild:
-    """A build between its start and its end: its record, logs (kept in memory, flushed to
-    the store as it goes) and the build sandboxes alive right now."""
+    """A build between its start and its end: its record (with the spec it runs), logs (kept
+    in memory, flushed to the store as it goes) and the build sandboxes alive right now."""
 
     record: BuildRecord
-    spec: BuildSpec | None = None
     logs: list[LogEntry] = field(default_factory=list)
     flushed: int = 0
     task: asyncio.Task[None] | None = None

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import BadRequest
+from .spec import BuildSpec, parse_spec
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS builds (
     build_id    TEXT PRIMARY KEY,
@@ -55,32 +58,88 @@ class LogEntry:
 
 
 @dataclass
+class BuildReason:
+    """Why a build ended in `error`; `step` names the step that failed, if one did."""
+
+    message: str
+    step: str | None = None
+
+
+@dataclass
 class BuildRecord:
     build_id: str
     template_id: str
     status: str  # waiting | building | ready | error
     created: float
     updated: float
-    # names, tags, cpu_count, memory_mb, spec (BuildSpec.to_json), reason {message, step},
-    # finished (epoch seconds)
-    doc: dict[str, Any] = field(default_factory=dict)
+    name: str = ""  # the requested name without its tag
+    names: list[str] = field(default_factory=list)  # `name`, then `name:tag` for every tag
+    tags: list[str] = field(default_factory=list)
+    cpu_count: int = 0
+    memory_mb: int = 0
+    # Set when the build starts. Registry credentials are never stored, so a spec read back
+    # from the store has none.
+    spec: BuildSpec | None = None
+    reason: BuildReason | None = None
+    finished: float | None = None  # epoch seconds
 
-    @property
-    def names(self) -> list[str]:
-        return [str(n) for n in self.doc.get("names") or []]
 
-    @property
-    def cpu_count(self) -> int:
-        return int(self.doc["cpu_count"])
+# The `doc` column holds the fields beyond the indexed ones as JSON, under the keys the
+# builds.db files already in use have: keys not known here are ignored.
+def _to_doc(b: BuildRecord) -> str:
+    doc: dict[str, Any] = {
+        "names": b.names,
+        "name": b.name,
+        "tags": b.tags,
+        "cpu_count": b.cpu_count,
+        "memory_mb": b.memory_mb,
+    }
+    if b.spec is not None:
+        doc["spec"] = b.spec.to_json()
+    if b.reason is not None:
+        doc["reason"] = {"message": b.reason.message}
+        if b.reason.step:
+            doc["reason"]["step"] = b.reason.step
+    if b.finished is not None:
+        doc["finished"] = b.finished
+    return json.dumps(doc)
 
-    @property
-    def memory_mb(self) -> int:
-        return int(self.doc["memory_mb"])
 
-    @property
-    def reason(self) -> dict[str, Any] | None:
-        r = self.doc.get("reason")
-        return r if isinstance(r, dict) else None
+def _spec_of(raw: Any) -> BuildSpec | None:
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return parse_spec(raw)
+    except BadRequest:
+        # Only kept as a record of the build: one this version no longer accepts must not
+        # make the build (or the template listing) unreadable.
+        return None
+
+
+def _from_row(row: tuple[Any, ...]) -> BuildRecord:
+    bid, tid, status, created, updated, raw = row
+    doc = json.loads(raw)
+    reason = doc.get("reason")
+    finished = doc.get("finished")
+    return BuildRecord(
+        build_id=bid,
+        template_id=tid,
+        status=status,
+        created=float(created),
+        updated=float(updated),
+        name=str(doc.get("name") or ""),
+        names=[str(n) for n in doc.get("names") or []],
+        tags=[str(t) for t in doc.get("tags") or []],
+        cpu_count=int(doc.get("cpu_count") or 0),
+        memory_mb=int(doc.get("memory_mb") or 0),
+        spec=_spec_of(doc.get("spec")),
+        reason=(
+            BuildReason(str(reason.get("message")), reason.get("step") or None)
+            if isinstance(reason, dict)
+            else None
+        ),
+        finished=float(finished) if finished is not None else None,
+    )
 
 
 class BuildStore:
@@ -108,13 +167,8 @@ class BuildStore:
             "VALUES(?,?,?,?,?,?) ON CONFLICT(build_id) DO UPDATE SET "
             "template_id=excluded.template_id, status=excluded.status, "
             "updated=excluded.updated, doc=excluded.doc",
-            (b.build_id, b.template_id, b.status, b.created, b.updated, json.dumps(b.doc)),
+            (b.build_id, b.template_id, b.status, b.created, b.updated, _to_doc(b)),
         )
-
-    @staticmethod
-    def _row(row: tuple[Any, ...]) -> BuildRecord:
-        bid, tid, status, created, updated, doc = row
-        return BuildRecord(bid, tid, status, float(created), float(updated), json.loads(doc))
 
     def get(self, build_id: str) -> BuildRecord | None:
         rows = self._run(
@@ -122,7 +176,7 @@ class BuildStore:
             "WHERE build_id=?",
             (build_id,),
         )
-        return self._row(rows[0]) if rows else None
+        return _from_row(rows[0]) if rows else None
 
     def for_template(self, template_id: str) -> list[BuildRecord]:
         """Newest first."""
@@ -131,21 +185,21 @@ class BuildStore:
             "WHERE template_id=? ORDER BY created DESC",
             (template_id,),
         )
-        return [self._row(r) for r in rows]
+        return [_from_row(r) for r in rows]
 
     def all(self) -> list[BuildRecord]:
         rows = self._run(
             "SELECT build_id, template_id, status, created, updated, doc FROM builds "
             "ORDER BY created DESC"
         )
-        return [self._row(r) for r in rows]
+        return [_from_row(r) for r in rows]
 
     def unfinished(self) -> list[BuildRecord]:
         rows = self._run(
             "SELECT build_id, template_id, status, created, updated, doc FROM builds "
             "WHERE status IN ('waiting', 'building')"
         )
-        return [self._row(r) for r in rows]
+        return [_from_row(r) for r in rows]
 
     def delete_template(self, template_id: str) -> None:
         with self._lock:

@@ -143,15 +143,14 @@ class TemplateBuild(_Response):
 
     @classmethod
     def of(cls, b: BuildRecord) -> TemplateBuild:
-        fin = b.doc.get("finished")
         return cls(
             buildID=b.build_id,
             status=b.status,
             createdAt=datetime.fromtimestamp(b.created, UTC),
             updatedAt=datetime.fromtimestamp(b.updated, UTC),
-            finishedAt=datetime.fromtimestamp(float(fin), UTC) if fin else None,
-            cpuCount=int(b.doc.get("cpu_count") or 0),
-            memoryMB=int(b.doc.get("memory_mb") or 0),
+            finishedAt=datetime.fromtimestamp(b.finished, UTC) if b.finished else None,
+            cpuCount=b.cpu_count,
+            memoryMB=b.memory_mb,
         )
 
 
@@ -168,13 +167,12 @@ async def request_build(body: TemplateBuildRequest, builder: BuilderDep) -> Temp
     b = await builder.request(
         name, tags=body.tags, cpu_count=body.cpu_count, memory_mb=body.memory_mb
     )
-    base = str(b.doc["name"])
     return TemplateRequestResponse(
         templateID=b.template_id,
         buildID=b.build_id,
-        names=[base],
-        tags=list(b.doc.get("tags") or []),
-        aliases=[base],
+        names=[b.name],
+        tags=list(b.tags),
+        aliases=[b.name],
     )
 
 
@@ -271,7 +269,7 @@ async def build_status(
         logs=[e.message for e in entries],
         logEntries=[BuildLogEntry.of(e) for e in entries],
         reason=(
-            BuildStatusReason(message=str(reason.get("message")), step=reason.get("step"))
+            BuildStatusReason(message=reason.message, step=reason.step)
             if reason and b.status == "error"
             else None
         ),

@@ -167,8 +167,8 @@ def _pending_info(b: BuildRecord) -> TemplateInfo:
     return TemplateInfo(
         templateID=b.template_id,
         buildID=b.build_id,
-        cpuCount=int(b.doc.get("cpu_count") or 2),
-        memoryMB=int(b.doc.get("memory_mb") or 512),
+        cpuCount=b.cpu_count or 2,
+        memoryMB=b.memory_mb or 512,
         diskSizeMB=1024,
         aliases=names,
         names=names,
