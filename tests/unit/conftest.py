@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 import pytest
+
 from tests.helpers import SRC, free_port, wait_healthy
 
 

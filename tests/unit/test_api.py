@@ -11,7 +11,6 @@ from urllib.parse import quote, urlencode
 
 import httpx
 import pytest
-from tests.helpers import uvicorn_thread
 
 from aenv.api.app import create_app
 from aenv.api.idempotency import IdempotencyCache
@@ -20,6 +19,7 @@ from aenv.config import Settings
 from aenv.domain import CreateRequest, SandboxRecord, Timings
 from aenv.domain import SandboxState as State
 from aenv.errors import BadRequest, Conflict, NotFound
+from tests.helpers import uvicorn_thread
 
 API_KEY = "e2b_test_key_0123456789"
 BASE = datetime(2025, 1, 1, tzinfo=UTC)

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from bench import client, harness, hostproc, report, scenarios, stats
 from bench import plan as plan_mod
 

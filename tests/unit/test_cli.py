@@ -28,7 +28,6 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
-from tests.helpers import free_port, http_server_thread, wait_until
 from typer.testing import CliRunner
 
 from aenv.cli.connect import ConnectError, EnvdClient
@@ -36,6 +35,7 @@ from aenv.cli.errors import CliError
 from aenv.cli.main import app
 from aenv.cli.session import exit_code_of, run_command, signal_number
 from aenv.envd_wire import EnvelopeDecoder, b64decode, encode_envelope, parse_process_event
+from tests.helpers import free_port, http_server_thread, wait_until
 
 API_KEY = "e2b_test_key"
 

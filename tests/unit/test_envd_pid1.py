@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from tests.helpers import SRC, free_port, wait_healthy
 
 pytestmark = pytest.mark.skipif(

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from tests.helpers import http_server_thread, wait_until
 
 e2b = pytest.importorskip("e2b")

@@ -24,10 +24,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.helpers import SRC, free_port, wait_healthy, wait_until
 
 from aenv.envd import sudo, sudo_args, sudo_plan, sudo_protocol, sudo_service
 from aenv.envd.state import User, Users
+from tests.helpers import SRC, free_port, wait_healthy, wait_until
 
 SYSTEM_PY = Path("/usr/bin/python3.11")
 LOADER = Path("/lib64/ld-linux-x86-64.so.2")

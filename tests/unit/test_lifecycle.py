@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from tests.node_harness import Harness, build, started
 
 from aenv.domain import CreateRequest, PauseTier, SandboxState, TemplateKind
 from aenv.errors import Conflict, NotFound, RuntimeFailure, Unavailable
 from aenv.runtime.fake import FakeState
+from tests.node_harness import Harness, build, started
 
 
 @pytest.fixture

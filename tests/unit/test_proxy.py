@@ -20,12 +20,12 @@ import httpx
 import pytest
 import pytest_asyncio
 import websockets
-from tests.helpers import free_port, uvicorn_task
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from aenv.errors import Gone, NotFound
 from aenv.proxy import ConnectionPool, HttpForwarder, SandboxRouter
+from tests.helpers import free_port, uvicorn_task
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from tests.contract.runtime_contract import RuntimeContract, Specs
 
 from aenv.errors import RuntimeFailure
 from aenv.runtime.base import Instance, Runtime
 from aenv.runtime.fake import Call, FakeHost, FakeRuntime, FakeState
+from tests.contract.runtime_contract import RuntimeContract, Specs
 
 
 @pytest.fixture

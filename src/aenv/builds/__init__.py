@@ -12,4 +12,6 @@ builder.py     build requests, records, status and logs; one background task per
 job.py         one build's base and steps: build sandboxes, the step cache, layer holds
 finalize.py    the template a build ends in (cold, or a snapshot after startCmd/readyCmd)
 dockerfile.py  a Dockerfile parser that turns a Dockerfile into the same build request
+base.py        the default template `base`: registering and checking it
+base_rootfs.py its Debian rootfs (debootstrap recipe, machine-wide rootfs cache)
 """

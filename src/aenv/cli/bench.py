@@ -73,8 +73,9 @@ class RichProgress:
 
 
 def _print_table(doc: dict[str, Any]) -> None:
-    from bench import report
     from rich.table import Table
+
+    from bench import report
 
     from .output import print_table
 
