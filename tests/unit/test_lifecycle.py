@@ -350,3 +350,30 @@ async def test_warm_pool_hands_out_a_preboted_sandbox(tmp_path: Path) -> None:
         assert r.metadata == {"a": "b"}
         assert h.envd.inits[-1][1]["env_vars"] == {"LANG": "C.UTF-8", "X": "1"}
         assert h.runtime.ops().count("create") == 1  # no boot for the create itself
+
+
+async def test_snapshot_of_a_hibernated_sandbox_shares_its_image(node: Harness) -> None:
+    r = await node.orch.create(CreateRequest())
+    write_file(node, r.sandbox_id, "h.txt", "on disk")
+    await node.orch.pause(r.sandbox_id)
+    await node.orch.hibernate(r.sandbox_id)
+    ops = len(node.runtime.calls)
+    snap = await node.orch.snapshot(r.sandbox_id, "from-disk")
+    assert node.runtime.ops()[ops:] == []  # nothing was started for it
+    assert node.orch.get(r.sandbox_id).tier is PauseTier.HIBERNATED
+    child = await node.orch.create(CreateRequest(template_id="from-disk"))
+    assert child.layers == snap.layers
+    assert (node.orch.layer_path(snap.layers[0]) / "h.txt").read_text() == "on disk"
+
+
+async def test_killing_a_hibernated_sandbox_drops_its_image(node: Harness) -> None:
+    r = await node.orch.create(CreateRequest())
+    await node.orch.pause(r.sandbox_id)
+    await node.orch.hibernate(r.sandbox_id)
+    paused = node.orch.get(r.sandbox_id).paused
+    assert paused is not None and paused.image is not None
+    image = node.settings.images_dir / paused.image
+    assert node.runtime.image_complete(image)
+    await node.orch.kill(r.sandbox_id)
+    assert not image.exists()
+    assert not (node.settings.rw_dir / r.sandbox_id).exists()
