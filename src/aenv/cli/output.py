@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -39,6 +39,19 @@ def print_table(table: Table) -> None:
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
     sys.stdout.flush()
+
+
+def print_listing(
+    items: Sequence[Any], *, as_json: bool, empty: str, table: Callable[[Any], Table]
+) -> None:
+    """A list command's output: JSON for scripts, else a table, or one dim line on stderr
+    when there is nothing to show."""
+    if as_json:
+        print_json(items)
+    elif not items:
+        console(stderr=True).print(empty, style="dim")
+    else:
+        print_table(table(items))
 
 
 def parse_time(value: Any) -> datetime | None:

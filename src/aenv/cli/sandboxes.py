@@ -220,7 +220,7 @@ def ls(
     output: OutputOpt = OutputFormat.table,
 ) -> None:
     """List sandboxes."""
-    from .output import console, print_json, print_table, sandbox_table
+    from .output import print_listing, sandbox_table
 
     if state_filter:
         states = [s.strip() for s in state_filter.split(",") if s.strip()]
@@ -230,12 +230,9 @@ def ls(
         state_filter = ",".join(states)
     with state_of(ctx).control() as cp:
         sandboxes = cp.list_sandboxes(state=state_filter, metadata=pairs(metadata, "--metadata"))
-    if output is OutputFormat.json:
-        print_json(sandboxes)
-    elif not sandboxes:
-        console(stderr=True).print("no sandboxes", style="dim")
-    else:
-        print_table(sandbox_table(sandboxes))
+    print_listing(
+        sandboxes, as_json=output is OutputFormat.json, empty="no sandboxes", table=sandbox_table
+    )
 
 
 def rm(

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from .client import url_segment
-from .output import console, print_json, print_table
+from .output import console, print_listing
 from .state import state_of
 
 
@@ -49,16 +49,14 @@ def snapshot_ls(
             token = resp.headers.get("x-next-token")
             if not token:
                 break
-    if json_out:
-        print_json(items)
-        return
-    if not items:
-        console(stderr=True).print("no snapshots", style="dim")
-        return
+    print_listing(items, as_json=json_out, empty="no snapshots", table=_snapshot_table)
+
+
+def _snapshot_table(items: list[dict[str, Any]]) -> Table:
     table = Table("SNAPSHOT", "NAMES")
     for s in items:
         table.add_row(str(s["snapshotID"]), ", ".join(s.get("names") or []))
-    print_table(table)
+    return table
 
 
 def fork(

@@ -97,16 +97,13 @@ class PullProgress:
 
 def template_ls(ctx: typer.Context, output: OutputOpt = OutputFormat.table) -> None:
     """List templates."""
-    from .output import console, print_json, print_table, template_table
+    from .output import print_listing, template_table
 
     with state_of(ctx).control() as cp:
         templates = cp.list_templates()
-    if output is OutputFormat.json:
-        print_json(templates)
-    elif not templates:
-        console(stderr=True).print("no templates", style="dim")
-    else:
-        print_table(template_table(templates))
+    print_listing(
+        templates, as_json=output is OutputFormat.json, empty="no templates", table=template_table
+    )
 
 
 def template_build_base(
