@@ -78,14 +78,12 @@ def test_hibernate_then_resume_from_disk(e2b_env: Server, sandboxes: list[object
     assert s.pause()
     # The server hibernates frozen sandboxes after AENV_HIBERNATE_AFTER=5 s.
     deadline = time.time() + 30
-    while (sandbox_record(e2b_env.home, s.sandbox_id)["paused_state"] or {}).get(
-        "tier"
-    ) != "hibernated":
+    while (sandbox_record(e2b_env.home, s.sandbox_id)["paused"] or {}).get("tier") != "hibernated":
         assert time.time() < deadline, "the paused sandbox was never hibernated"
         time.sleep(0.5)
     rec = sandbox_record(e2b_env.home, s.sandbox_id)
     assert rec["instance"] is None
-    image = str(rec["paused_state"]["image"])
+    image = str(rec["paused"]["image"])
     # The hibernated sandbox lives in the repository; the node keeps the image only in its
     # bounded cache. Drop that copy too: resuming must fetch it back from the repository.
     manifest = e2b_env.home / "repo" / "manifests" / f"{image}.json"
