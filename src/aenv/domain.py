@@ -119,6 +119,27 @@ class BootInfo:
 
 
 @dataclass
+class EgressPolicy:
+    """Where a sandbox may connect to, as its user set it (E2B's `allow_internet_access` and
+    `network.allowOut` / `denyOut`). Entries are IPv4 addresses or CIDR blocks. Evaluated in
+    the network path, first match wins: the node's fixed denies (loopback, link-local and
+    metadata addresses, the node's own networks, other sandboxes) that no entry can open,
+    then `allow_out`, then `deny_out`, then everything else is allowed only with
+    `allow_internet`."""
+
+    allow_internet: bool = True
+    allow_out: list[str] = field(default_factory=list)
+    deny_out: list[str] = field(default_factory=list)
+    # Resolvers the sandbox should use (kept and shown; not enforced yet).
+    dns_servers: list[str] = field(default_factory=list)
+
+    @property
+    def is_open(self) -> bool:
+        """Nothing beyond the node's fixed denies (the default: no rules to install)."""
+        return self.allow_internet and not self.allow_out and not self.deny_out
+
+
+@dataclass
 class CreateRequest:
     template_id: str = "base"
     timeout: int | None = None
@@ -130,7 +151,7 @@ class CreateRequest:
     auto_pause_memory: bool = True
     auto_resume: bool = False
     secure: bool = True
-    allow_internet_access: bool = True
+    egress: EgressPolicy = field(default_factory=EgressPolicy)
 
 
 @dataclass
@@ -152,7 +173,7 @@ class SandboxRecord:
     auto_pause: bool = False
     auto_pause_memory: bool = True
     auto_resume: bool = False
-    allow_internet_access: bool = True
+    egress: EgressPolicy = field(default_factory=EgressPolicy)
     # The runtime's handle while a container exists (running, frozen); None otherwise.
     instance: Instance | None = None
     paused: PausedState | None = None

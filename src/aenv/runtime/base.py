@@ -15,7 +15,7 @@ import abc
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aenv.domain import Instance
+from aenv.domain import EgressPolicy, Instance
 
 __all__ = ["Instance", "Mount", "Runtime", "SandboxSpec", "Stats"]
 
@@ -45,6 +45,9 @@ class SandboxSpec:
     # (`lowerdir=layers`, `upperdir=upper`) and every rootfs write lands in `upper`; the
     # runtime never deletes it. None: writes stay in the backend's memory (and checkpoints).
     upper: Path | None = None
+    # Where the sandbox may connect to; None or an open policy: no rules beyond the node's
+    # fixed denies. In force before the sandbox's first instruction runs.
+    egress: EgressPolicy | None = None
 
 
 @dataclass
@@ -125,6 +128,12 @@ class Runtime(abc.ABC):
 
     @abc.abstractmethod
     async def alive(self, inst: Instance) -> bool: ...
+
+    @abc.abstractmethod
+    async def set_egress(self, inst: Instance, policy: EgressPolicy) -> None:
+        """Replace the egress rules of a running, frozen or stopped sandbox, atomically (no
+        moment without rules); an open policy removes them. Raises `RuntimeFailure` for an
+        instance that is gone."""
 
     @abc.abstractmethod
     def is_stopped(self, inst: Instance) -> bool:
