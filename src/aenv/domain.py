@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import ipaddress
 import re
 import secrets
 import string
@@ -137,6 +138,36 @@ class EgressPolicy:
     def is_open(self) -> bool:
         """Nothing beyond the node's fixed denies (the default: no rules to install)."""
         return self.allow_internet and not self.allow_out and not self.deny_out
+
+    def normalized(self) -> EgressPolicy:
+        """The same policy with every entry as a CIDR block (`8.8.8.8` → `8.8.8.8/32`);
+        ValueError naming the first entry that is not an IPv4 address or block."""
+        return EgressPolicy(
+            allow_internet=self.allow_internet,
+            allow_out=[_cidr(e, "allowOut") for e in self.allow_out],
+            deny_out=[_cidr(e, "denyOut") for e in self.deny_out],
+            dns_servers=[str(_address(e, "dnsServers")) for e in self.dns_servers],
+        )
+
+
+def _address(entry: str, where: str) -> ipaddress.IPv4Address:
+    try:
+        return ipaddress.IPv4Address(entry.strip())
+    except ValueError:
+        raise ValueError(f"{where}: {entry!r} is not an IPv4 address") from None
+
+
+def _cidr(entry: str, where: str) -> str:
+    try:
+        return str(ipaddress.IPv4Network(entry.strip(), strict=False))
+    except ValueError:
+        pass
+    if any(c.isalpha() for c in entry) and ":" not in entry:
+        raise ValueError(
+            f"{where}: {entry!r}: domain names are not supported yet; use IPv4 addresses or "
+            "CIDR blocks"
+        )
+    raise ValueError(f"{where}: {entry!r} is not an IPv4 address or CIDR block")
 
 
 @dataclass

@@ -16,7 +16,7 @@ from aenv.api.app import create_app
 from aenv.api.idempotency import IdempotencyCache
 from aenv.api.listing import Cursor, paginate, parse_metadata_filter
 from aenv.config import Settings
-from aenv.domain import CreateRequest, SandboxRecord, Timings
+from aenv.domain import CreateRequest, EgressPolicy, SandboxRecord, Timings
 from aenv.domain import SandboxState as State
 from aenv.errors import BadRequest, Conflict, NotFound
 from tests.helpers import uvicorn_thread
@@ -122,6 +122,12 @@ class FakeOrchestrator:
         r = self.get(sandbox_id)
         r.end_at = datetime.now(UTC) + timedelta(seconds=timeout)
         self.calls.append(("set_timeout", (sandbox_id, timeout)))
+        return r
+
+    async def update_network(self, sandbox_id: str, policy: EgressPolicy) -> SandboxRecord:
+        r = self.get(sandbox_id)
+        self.calls.append(("update_network", (sandbox_id, policy)))
+        r.egress = policy
         return r
 
     async def refresh(self, sandbox_id: str, duration: int | None) -> SandboxRecord:
@@ -393,7 +399,7 @@ async def test_create_v2_shape_and_mapping(
             "allow_internet_access": False,
             "cpuCount": 4,
             "memoryMB": 1024,
-            "network": {"allowPublicTraffic": True},  # unknown to us: ignored
+            "network": {"allowPublicTraffic": True, "allowOut": ["203.0.113.7"]},
             "mcp": None,
             "somethingNew": [1, 2],
         },
@@ -422,7 +428,7 @@ async def test_create_v2_shape_and_mapping(
         auto_pause_memory=False,
         auto_resume=True,
         secure=True,
-        allow_internet_access=False,
+        egress=EgressPolicy(allow_internet=False, allow_out=["203.0.113.7/32"]),
     )
 
 
@@ -546,6 +552,7 @@ async def test_get_detail_shape(client: httpx.AsyncClient, orch: FakeOrchestrato
         "metadata": {"a": "b"},
         "envdAccessToken": f"tok-{rec.sandbox_id}",
         "allowInternetAccess": True,
+        "network": {"allowOut": [], "denyOut": [], "dnsServers": []},
         "domain": None,
         "lifecycle": {"autoResume": True, "onTimeout": "pause"},
     }
@@ -875,3 +882,55 @@ def test_e2b_sdk_create_and_connect(served: tuple[str, FakeOrchestrator]) -> Non
     resumed = Sandbox.connect(sbx.sandbox_id, timeout=90, **opts)
     assert resumed.sandbox_id == sbx.sandbox_id
     assert orch.records[sbx.sandbox_id].state is State.RUNNING
+
+
+@pytest.mark.parametrize(
+    ("network", "needle"),
+    [
+        ({"allowOut": ["example.com"]}, "domain names are not supported yet"),
+        ({"denyOut": ["10.0.0.0/33"]}, "denyOut"),
+        ({"allowOut": ["::1"]}, "IPv4"),
+        ({"dnsServers": ["resolver"]}, "dnsServers"),
+        ({"egressProxy": {"address": "127.0.0.1:1080"}}, "egressProxy"),
+    ],
+)
+async def test_create_refuses_bad_network_rules(
+    client: httpx.AsyncClient, orch: FakeOrchestrator, network: dict[str, Any], needle: str
+) -> None:
+    r = await client.post("/v2/sandboxes", json={"templateID": "base", "network": network})
+    assert_error(r, 400)
+    assert needle in r.json()["message"]
+    assert orch.requests == []
+
+
+async def test_update_network_replaces_rules_and_shows_them(
+    client: httpx.AsyncClient, orch: FakeOrchestrator
+) -> None:
+    sbx = orch.add()
+    r = await client.put(
+        f"/sandboxes/{sbx.sandbox_id}/network",
+        json={"allowOut": ["198.51.100.0/24"], "denyOut": ["0.0.0.0/0"]},
+    )
+    assert r.status_code == 204, r.text
+    assert orch.calls[-1] == (
+        "update_network",
+        (sbx.sandbox_id, EgressPolicy(allow_out=["198.51.100.0/24"], deny_out=["0.0.0.0/0"])),
+    )
+    info = (await client.get(f"/sandboxes/{sbx.sandbox_id}")).json()
+    assert info["network"] == {
+        "allowOut": ["198.51.100.0/24"],
+        "denyOut": ["0.0.0.0/0"],
+        "dnsServers": [],
+    }
+    assert info["allowInternetAccess"] is True
+    # Omitted fields are cleared; snake_case allow_internet_access as E2B sends it.
+    r = await client.put(
+        f"/sandboxes/{sbx.sandbox_id}/network", json={"allow_internet_access": False}
+    )
+    assert r.status_code == 204
+    assert orch.calls[-1][1][1] == EgressPolicy(allow_internet=False)
+    assert (await client.get(f"/sandboxes/{sbx.sandbox_id}")).json()["allowInternetAccess"] is False
+    assert_error(await client.put("/sandboxes/nope/network", json={}), 404)
+    assert_error(
+        await client.put(f"/sandboxes/{sbx.sandbox_id}/network", json={"allowOut": "x"}), 400
+    )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from aenv.domain import CreateRequest, PauseTier, SandboxState, TemplateKind
+from aenv.domain import CreateRequest, EgressPolicy, PauseTier, SandboxState, TemplateKind
 from aenv.errors import Conflict, NotFound, RuntimeFailure, Unavailable
 from aenv.runtime.fake import FakeState
 from tests.node_harness import Harness, build, started
@@ -377,3 +377,70 @@ async def test_killing_a_hibernated_sandbox_drops_its_image(node: Harness) -> No
     await node.orch.kill(r.sandbox_id)
     assert not image.exists()
     assert not (node.settings.rw_dir / r.sandbox_id).exists()
+
+
+# ---------------------------------------------------------------------------- egress rules
+CLOSED = EgressPolicy(allow_internet=False, allow_out=["203.0.113.10/32"])
+
+
+async def test_egress_rules_are_in_force_from_the_start(node: Harness) -> None:
+    open_ = await node.orch.create(CreateRequest())
+    assert open_.instance is not None and node.runtime.egress(open_.instance) is None
+    r = await node.orch.create(CreateRequest(egress=CLOSED))
+    assert r.instance is not None
+    assert node.runtime.egress(r.instance) == CLOSED
+    assert "set_egress" not in node.runtime.ops()  # given with the spec, not afterwards
+    assert node.orch.get(r.sandbox_id).egress == CLOSED
+
+
+async def test_update_network_live_and_across_pause_tiers(node: Harness) -> None:
+    r = await node.orch.create(CreateRequest())
+    await node.orch.update_network(r.sandbox_id, CLOSED)
+    assert r.instance is not None and node.runtime.egress(r.instance) == CLOSED
+    await node.orch.pause(r.sandbox_id)
+    frozen = EgressPolicy(deny_out=["0.0.0.0/0"])
+    await node.orch.update_network(r.sandbox_id, frozen)
+    assert node.runtime.egress(r.instance) == frozen
+    await node.orch.hibernate(r.sandbox_id)
+    await node.orch.update_network(r.sandbox_id, CLOSED)  # nothing running: kept for later
+    back, _ = await node.orch.connect(r.sandbox_id, 60)
+    assert back.instance is not None and node.runtime.egress(back.instance) == CLOSED
+    await node.orch.snapshot(r.sandbox_id)
+    after = node.orch.get(r.sandbox_id).instance
+    assert after is not None and node.runtime.egress(after) == CLOSED
+
+
+async def test_fork_children_inherit_egress_rules(node: Harness) -> None:
+    parent = await node.orch.create(CreateRequest(egress=CLOSED))
+    results = await node.orch.fork(parent.sandbox_id, 2)
+    for res in results:
+        assert res.sandbox is not None and res.sandbox.instance is not None
+        assert res.sandbox.egress == CLOSED
+        assert node.runtime.egress(res.sandbox.instance) == CLOSED
+
+
+async def test_egress_rules_survive_a_restart(tmp_path: Path) -> None:
+    h = build(tmp_path)
+    await h.orch.start(timers=False)
+    r = await h.orch.create(CreateRequest(egress=CLOSED))
+    h2 = await h.restart()
+    await h2.orch.start(timers=False)
+    try:
+        rec = h2.orch.get(r.sandbox_id)
+        assert rec.egress == CLOSED
+        assert rec.instance is not None and h2.runtime.egress(rec.instance) == CLOSED
+    finally:
+        await h2.orch.close()
+        h2.catalog.close()
+
+
+async def test_pool_sandbox_gets_the_requests_rules(tmp_path: Path) -> None:
+    async for h in started(tmp_path, sandbox_pool_size=1):
+        for _ in range(200):
+            if h.runtime.instances():
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        r = await h.orch.create(CreateRequest(egress=CLOSED))
+        assert h.runtime.ops().count("create") == 1  # the pool's sandbox was handed out
+        assert r.instance is not None and h.runtime.egress(r.instance) == CLOSED

@@ -19,8 +19,9 @@ from pydantic import (
     model_serializer,
 )
 
-from aenv.domain import SandboxRecord
+from aenv.domain import EgressPolicy, SandboxRecord
 from aenv.domain import SandboxState as State
+from aenv.errors import BadRequest
 
 ApiState = Literal["running", "paused"]
 
@@ -53,6 +54,41 @@ class AutoResume(_Request):
     enabled: bool = False
 
 
+class NetworkConfig(_Request):
+    """`network` of a create request and the body of `PUT /sandboxes/{id}/network` (E2B's
+    SandboxNetworkConfig / SandboxNetworkUpdateConfig; egress part)."""
+
+    allow_out: list[str] | None = Field(default=None, alias="allowOut", max_length=1000)
+    deny_out: list[str] | None = Field(default=None, alias="denyOut", max_length=1000)
+    dns_servers: list[str] | None = Field(default=None, alias="dnsServers", max_length=16)
+    # Not supported yet: refused when set rather than silently dropped.
+    egress_proxy: dict[str, Any] | None = Field(default=None, alias="egressProxy")
+    rules: dict[str, Any] | None = None
+
+    def policy(self, allow_internet_access: bool | None) -> EgressPolicy:
+        """The validated policy (BadRequest naming the first bad entry)."""
+        if self.egress_proxy:
+            raise BadRequest("network.egressProxy is not supported by this server")
+        if self.rules:
+            raise BadRequest("network.rules (per-host transforms) are not supported by this server")
+        try:
+            return EgressPolicy(
+                allow_internet=allow_internet_access is not False,
+                allow_out=list(self.allow_out or []),
+                deny_out=list(self.deny_out or []),
+                dns_servers=list(self.dns_servers or []),
+            ).normalized()
+        except ValueError as e:
+            raise BadRequest(f"invalid network rule: {e}") from None
+
+
+class NetworkUpdate(NetworkConfig):
+    """Body of `PUT /sandboxes/{id}/network`: replaces the rules; omitted fields are cleared."""
+
+    # snake_case on the wire, as E2B has it.
+    allow_internet_access: bool | None = None
+
+
 class NewSandboxV2(_Request):
     """Body of `POST /v2/sandboxes`."""
 
@@ -63,6 +99,7 @@ class NewSandboxV2(_Request):
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
     # snake_case on the wire, as E2B has it.
     allow_internet_access: bool | None = None
+    network: NetworkConfig | None = None
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
     # Our extensions for a cold boot's size.
@@ -221,6 +258,22 @@ class Lifecycle(_Response):
     on_timeout: Literal["pause", "kill"] = Field(alias="onTimeout")
 
 
+class NetworkInfo(_Response):
+    """The egress rules of a sandbox, as `GET /sandboxes/{id}` shows them."""
+
+    allow_out: list[str] = Field(alias="allowOut")
+    deny_out: list[str] = Field(alias="denyOut")
+    dns_servers: list[str] = Field(alias="dnsServers")
+
+    @classmethod
+    def of(cls, egress: EgressPolicy) -> NetworkInfo:
+        return cls(
+            allowOut=list(egress.allow_out),
+            denyOut=list(egress.deny_out),
+            dnsServers=list(egress.dns_servers),
+        )
+
+
 class SandboxDetail(_SandboxInfo):
     """`GET /sandboxes/{id}`."""
 
@@ -228,6 +281,7 @@ class SandboxDetail(_SandboxInfo):
 
     envd_access_token: str | None = Field(default=None, alias="envdAccessToken")
     allow_internet_access: bool | None = Field(default=None, alias="allowInternetAccess")
+    network: NetworkInfo | None = None
     domain: str | None = None
     lifecycle: Lifecycle
 
@@ -236,7 +290,8 @@ class SandboxDetail(_SandboxInfo):
         return cls(
             **cls._common(record, state),
             envdAccessToken=record.envd_access_token or None,
-            allowInternetAccess=record.allow_internet_access,
+            allowInternetAccess=record.egress.allow_internet,
+            network=NetworkInfo.of(record.egress),
             domain=None,
             lifecycle=Lifecycle(
                 autoResume=record.auto_resume,

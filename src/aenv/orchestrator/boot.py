@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import secrets
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -92,7 +93,7 @@ class Booter:
             auto_pause=req.auto_pause,
             auto_pause_memory=req.auto_pause_memory,
             auto_resume=req.auto_resume,
-            allow_internet_access=req.allow_internet_access,
+            egress=replace(req.egress),
             layers=list(template.layers if layers is None else layers),
             upper=str(self.storage.new_upper(sandbox_id)),
             boot=template.boot_info(),
@@ -113,6 +114,7 @@ class Booter:
             memory_mb=r.memory_mb,
             hostname="sandbox",
             upper=Path(r.upper) if r.upper else None,
+            egress=None if r.egress.is_open else r.egress,
         )
 
     # ------------------------------------------------------------------ booting
@@ -185,6 +187,11 @@ class Booter:
             workdir=r.boot.workdir,
             current_token=current_token,
         )
+
+    async def apply_egress(self, r: SandboxRecord) -> None:
+        """Puts the record's egress rules in force on its running container."""
+        assert r.instance is not None
+        await self.runtime.set_egress(r.instance, r.egress)
 
     async def preboot(
         self,

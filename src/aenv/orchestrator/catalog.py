@@ -18,6 +18,7 @@ from typing import Any
 
 from ..domain import (
     BootInfo,
+    EgressPolicy,
     Instance,
     PausedState,
     PauseTier,
@@ -82,6 +83,10 @@ def _doc_to_record(doc: str) -> SandboxRecord:
             image=p.get("image"),
         )
     d["boot"] = BootInfo(**(d.get("boot") or {}))
+    if "egress" in d:
+        d["egress"] = EgressPolicy(**d["egress"])
+    elif "allow_internet_access" in d:  # before egress rules
+        d["egress"] = EgressPolicy(allow_internet=bool(d["allow_internet_access"]))
     known = {f.name for f in fields(SandboxRecord)}
     return SandboxRecord(**{k: v for k, v in d.items() if k in known})
 

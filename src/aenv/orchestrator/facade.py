@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Settings
-from ..domain import ENVD_PORT, CreateRequest, SandboxRecord, TemplateRecord, Timings
+from ..domain import ENVD_PORT, CreateRequest, EgressPolicy, SandboxRecord, TemplateRecord, Timings
 from ..errors import BadRequest
 from ..images.cache import holder
 from ..images.pull import PulledImage, pull
@@ -131,6 +131,9 @@ class Orchestrator:
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
         return await self._sandboxes.set_timeout(sandbox_id, timeout)
+
+    async def update_network(self, sandbox_id: str, policy: EgressPolicy) -> SandboxRecord:
+        return await self._sandboxes.update_network(sandbox_id, policy)
 
     async def refresh(self, sandbox_id: str, duration: int | None) -> SandboxRecord:
         return await self._sandboxes.refresh(sandbox_id, duration)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..domain import CreateRequest, SandboxRecord, SandboxState, Timings
 from ..errors import AenvError, BadRequest, Conflict
@@ -68,6 +68,7 @@ class Forker:
                 auto_pause_memory=parent.auto_pause_memory,
                 auto_resume=parent.auto_resume,
                 secure=bool(parent.envd_access_token),
+                egress=replace(parent.egress),
             )
             with t.stage("children"):
                 # The children restore from the snapshot while the parent does (under its

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 from ..domain import CreateRequest, SandboxRecord, SandboxState, TemplateRecord, Timings
@@ -56,9 +56,12 @@ class WarmPool:
         w.env_vars = dict(req.env_vars)
         w.envd_access_token = secrets.token_urlsafe(24) if req.secure else ""
         w.auto_pause, w.auto_pause_memory = req.auto_pause, req.auto_pause_memory
-        w.auto_resume, w.allow_internet_access = req.auto_resume, req.allow_internet_access
+        w.auto_resume, w.egress = req.auto_resume, replace(req.egress)
         assert w.instance is not None
         try:
+            if not w.egress.is_open:  # booted with none: in force before the user's first call
+                with t.stage("egress"):
+                    await self.booter.apply_egress(w)
             with t.stage("pool-init"):
                 await self.booter.init_envd(w)
         except Exception:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from ..domain import CreateRequest, SandboxRecord, SandboxState, Timings
+from ..domain import CreateRequest, EgressPolicy, SandboxRecord, SandboxState, Timings
 from ..errors import BadRequest, NotFound
 from ..runtime.base import Runtime
 from .boot import Booter
@@ -119,6 +119,18 @@ class Sandboxes:
         check_timeout(timeout, self.ctx.settings)
         r.end_at = self.ctx.now() + timedelta(seconds=timeout)
         await self.table.save(r)
+        return r
+
+    async def update_network(self, sandbox_id: str, policy: EgressPolicy) -> SandboxRecord:
+        """Replaces the sandbox's egress rules: in force at once on a running or frozen one,
+        at its next boot otherwise (every boot puts the record's rules in place first)."""
+        self.table.get(sandbox_id)
+        async with self.table.lock(sandbox_id):
+            r = self.table.get(sandbox_id)
+            if r.instance is not None:
+                await self.runtime.set_egress(r.instance, policy)
+            r.egress = policy
+            await self.table.save(r)
         return r
 
     async def refresh(self, sandbox_id: str, duration: int | None) -> SandboxRecord:

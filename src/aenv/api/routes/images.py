@@ -22,7 +22,7 @@ from aenv.orchestrator.context import check_timeout
 
 from ..auth import require_api_key
 from ..deps import SettingsDep
-from ..models import AutoResume, ErrorBody, Sandbox, _Request
+from ..models import AutoResume, ErrorBody, NetworkConfig, Sandbox, _Request
 from .builds import BuilderDep
 from .sandboxes import add_timing
 
@@ -59,6 +59,7 @@ class ColdSandbox(_Request):
     auto_pause: bool | None = Field(default=None, alias="autoPause")
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
     allow_internet_access: bool | None = None
+    network: NetworkConfig | None = None
     secure: bool | None = None
     registry: RegistryAuth | None = None
     # Start the image's Entrypoint+Cmd as a background process once the sandbox runs.
@@ -91,7 +92,7 @@ async def create_cold(
         auto_pause=bool(body.auto_pause),
         auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
         secure=body.secure is not False,
-        allow_internet_access=body.allow_internet_access is not False,
+        egress=(body.network or NetworkConfig()).policy(body.allow_internet_access),
     )
     timings = Timings()
     record = await images.cold_start(

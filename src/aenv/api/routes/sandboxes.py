@@ -27,6 +27,8 @@ from ..models import (
     ConnectSandboxV2,
     ErrorBody,
     ListedSandbox,
+    NetworkConfig,
+    NetworkUpdate,
     NewSandbox,
     NewSandboxV2,
     PauseBody,
@@ -102,7 +104,7 @@ async def _create(
         auto_pause_memory=body.auto_pause_memory is not False,
         auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
         secure=secure,
-        allow_internet_access=body.allow_internet_access is not False,
+        egress=(body.network or NetworkConfig()).policy(body.allow_internet_access),
     )
 
     async def create() -> tuple[Sandbox, str]:
@@ -234,6 +236,19 @@ async def set_timeout(
 ) -> Response:
     check_timeout(body.timeout, settings)
     await orchestrator.set_timeout(sandbox_id, body.timeout)
+    return Response(status_code=204)
+
+
+@router.put(
+    "/sandboxes/{sandbox_id}/network",
+    status_code=204,
+    response_class=Response,
+    summary="Replace a sandbox's egress rules (omitted fields are cleared)",
+)
+async def update_network(
+    sandbox_id: str, body: NetworkUpdate, orchestrator: OrchestratorDep
+) -> Response:
+    await orchestrator.update_network(sandbox_id, body.policy(body.allow_internet_access))
     return Response(status_code=204)
 
 
