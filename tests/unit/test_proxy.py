@@ -495,6 +495,20 @@ async def test_resolver_errors_become_json(env: Env) -> None:
         assert r.json()["code"] == 500
 
 
+@pytest.mark.parametrize("path", ["/init", "/init/", "/%69nit", "/envs", "/metrics", "/proxy/init"])
+async def test_envd_internal_routes_are_refused(env: Env, path: str) -> None:
+    before = len(env.resolved)
+    async with env.client() as c:
+        r = await c.post(path, headers=ENVD, content=b"{}")
+    assert r.status_code == 403
+    assert r.json()["code"] == 403 and "internal" in r.json()["message"]
+    assert len(env.resolved) == before  # refused before the sandbox is looked up or woken
+    # The same path on a user's own port is theirs.
+    async with env.client() as c:
+        r = await c.post(path, headers={"e2b-sandbox-id": "sbx1", "e2b-sandbox-port": "8080"})
+    assert r.status_code == 200
+
+
 async def test_unreachable_upstream_is_502(env: Env) -> None:
     async with env.client() as c:
         r = await c.get("/health", headers={"e2b-sandbox-id": "dead"})

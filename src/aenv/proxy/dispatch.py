@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from urllib.parse import quote
 
 from aenv.domain import ENVD_PORT
-from aenv.errors import AenvError, BadRequest, GatewayTimeout, InternalError
+from aenv.errors import AenvError, BadRequest, Forbidden, GatewayTimeout, InternalError
 
 from ._common import (
     ROUTING_HEADERS,
@@ -47,6 +47,9 @@ from .ws import WebSocketForwarder
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = ENVD_PORT
+# envd routes only the node calls, refused from outside as E2B's proxy does: `/init` re-keys
+# a sandbox (token, environment, user), `/envs` and `/metrics` read its state.
+INTERNAL_ENVD_PATHS = frozenset({"/init", "/envs", "/metrics"})
 Resolver = Callable[[str, int], Awaitable[tuple[str, int]]]
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
@@ -71,6 +74,14 @@ def _port(raw: str) -> int:
     if not (raw.isascii() and raw.isdigit()) or not 0 < int(raw) < 65536:
         raise BadRequest(f"invalid sandbox port {raw[:16]!r}")
     return int(raw)
+
+
+def _internal(path: str, strip_proxy_prefix: bool) -> bool:
+    """Whether a (decoded) request path names one of envd's internal routes, however it is
+    spelled (`//init/`, `/proxy/init` with the prefix)."""
+    if strip_proxy_prefix:
+        path = path[len("/proxy") :]
+    return "/" + "/".join(p for p in path.split("/") if p) in INTERNAL_ENVD_PATHS
 
 
 def _has_proxy_prefix(path: str | bytes) -> bool:
@@ -177,6 +188,11 @@ class SandboxRouter:
         await self.control_app(scope, receive, send)
 
     async def _forward(self, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
+        if route.port == ENVD_PORT and _internal(scope["path"], route.strip_proxy_prefix):
+            # Before resolving: a refused request neither finds nor wakes the sandbox.
+            err: AenvError = Forbidden(f"{scope['path']} is internal to the sandbox's agent")
+            await self._error(scope, send, err.status, err.to_json())
+            return
         try:
             host, port = await self.resolver(route.sandbox_id, route.port)
         except AenvError as exc:
@@ -184,7 +200,7 @@ class SandboxRouter:
             await self._error(scope, send, exc.status, exc.to_json())
             return
         except TimeoutError:
-            err: AenvError = GatewayTimeout(f"sandbox {route.sandbox_id} did not become ready")
+            err = GatewayTimeout(f"sandbox {route.sandbox_id} did not become ready")
             await self._error(scope, send, err.status, err.to_json())
             return
         except Exception:
