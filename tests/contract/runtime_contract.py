@@ -24,6 +24,7 @@ from typing import Protocol
 
 import pytest
 
+from aenv.domain import EgressPolicy
 from aenv.errors import RuntimeFailure
 from aenv.runtime.base import Instance, Runtime, SandboxSpec
 
@@ -40,7 +41,12 @@ class Specs:
     made: list[Path] = field(default_factory=list)
 
     def __call__(
-        self, sandbox_id: str, *, upper: bool = False, over: list[Path] | None = None
+        self,
+        sandbox_id: str,
+        *,
+        upper: bool = False,
+        over: list[Path] | None = None,
+        egress: EgressPolicy | None = None,
     ) -> SandboxSpec:
         """`over`: layers put on top of the fixed ones (e.g. a sealed upper)."""
         spec = SandboxSpec(
@@ -49,6 +55,7 @@ class Specs:
             args=list(self.args),
             memory_mb=self.memory_mb,
             cpu_count=1,
+            egress=egress,
         )
         if upper:
             spec.upper = self.uppers / f"upper-{sandbox_id}-{secrets.token_hex(3)}"
@@ -175,6 +182,44 @@ class RuntimeContract:
             await self.ready(runtime, again)
         finally:
             await runtime.destroy(again if again is not None else inst)
+
+    async def test_egress_rules_follow_the_sandbox_through_its_states(
+        self, runtime: Runtime, specs: Specs, tmp_path: Path
+    ) -> None:
+        """set_egress on a running, frozen and stopped instance; specs with rules create and
+        restore (new slot, own slot); the node still reaches a sandbox with no internet."""
+        closed = EgressPolicy(allow_internet=False, allow_out=["203.0.113.10"])
+        some = EgressPolicy(deny_out=["198.51.100.0/24", "192.0.2.7"])
+        inst = await runtime.create(specs("ct-egr", egress=closed))
+        child: Instance | None = None
+        again: Instance | None = None
+        try:
+            await self.ready(runtime, inst)
+            await runtime.set_egress(inst, some)
+            await runtime.freeze(inst)
+            await runtime.set_egress(stored(inst), closed)
+            await runtime.thaw(inst)
+            await self.ready(runtime, inst)
+            await runtime.checkpoint(inst, tmp_path / "img-egr-lr", leave_running=True)
+            child = await runtime.restore(specs("ct-egk", egress=some), tmp_path / "img-egr-lr")
+            await self.ready(runtime, child)
+            await runtime.set_egress(child, EgressPolicy())  # open: no rules left
+            await runtime.checkpoint(inst, tmp_path / "img-egr", leave_running=False)
+            await runtime.stop(inst)
+            await runtime.set_egress(inst, some)
+            again = await runtime.restore(
+                specs("ct-egr", egress=closed), tmp_path / "img-egr", reuse=stored(inst)
+            )
+            await self.ready(runtime, again)
+            await runtime.set_egress(again, some)
+        finally:
+            if child is not None:
+                await runtime.destroy(child)
+            await runtime.destroy(again if again is not None else inst)
+        for gone in (again, child):
+            assert gone is not None
+            with pytest.raises(RuntimeFailure):
+                await runtime.set_egress(gone, EgressPolicy())
 
     async def test_destroy_is_idempotent(self, runtime: Runtime, specs: Specs) -> None:
         running = await runtime.create(specs("ct-dr"))

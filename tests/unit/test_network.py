@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from aenv.config import Settings
-from aenv.runtime.network import GATEWAY_IP, SANDBOX_IP, SlotAddressing
+from aenv.domain import EgressPolicy
+from aenv.runtime.network import (
+    EGRESS_CHAIN,
+    GATEWAY_IP,
+    SANDBOX_IP,
+    SlotAddressing,
+    egress_rules,
+)
 
 
 def test_slot_addresses_are_consecutive_30s() -> None:
@@ -76,3 +83,37 @@ def test_invalid_settings_are_rejected() -> None:
 def test_from_settings() -> None:
     a = SlotAddressing.from_settings(Settings(net_prefix="aetst", net_cidr="10.201.0.0/16"))
     assert a.router_ip(0) == "10.201.0.2" and a.host_if(3) == "aetsth3"
+
+
+def test_an_open_policy_only_empties_the_egress_chain() -> None:
+    assert egress_rules(EgressPolicy()) == f"*filter\n:{EGRESS_CHAIN} - [0:0]\nCOMMIT\n"
+
+
+def test_egress_rules_in_order_allow_then_deny_then_the_rest() -> None:
+    policy = EgressPolicy(
+        allow_internet=False, allow_out=["203.0.113.10", "10.1.2.3/8"], deny_out=["0.0.0.0/0"]
+    )
+    lines = egress_rules(policy).splitlines()
+    c = EGRESS_CHAIN
+    assert lines == [
+        "*filter",
+        f":{c} - [0:0]",
+        f"-A {c} -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT",
+        f"-A {c} -d 203.0.113.10/32 -j ACCEPT",
+        f"-A {c} -d 10.0.0.0/8 -j ACCEPT",
+        f"-A {c} -d 0.0.0.0/0 -p tcp -j REJECT --reject-with tcp-reset",
+        f"-A {c} -d 0.0.0.0/0 -j REJECT --reject-with icmp-port-unreachable",
+        f"-A {c} -p tcp -j REJECT --reject-with tcp-reset",
+        f"-A {c} -j REJECT --reject-with icmp-port-unreachable",
+        "COMMIT",
+    ]
+    # Internet allowed: no final reject.
+    assert "-A egress -j REJECT" not in egress_rules(EgressPolicy(deny_out=["1.2.3.4"]))
+
+
+@pytest.mark.parametrize("entry", ["example.com", "2001:db8::/32", "10.0.0.300", "", "1.2.3.4/33"])
+def test_egress_entries_must_be_ipv4(entry: str) -> None:
+    with pytest.raises(ValueError):
+        egress_rules(EgressPolicy(deny_out=[entry]))
+    with pytest.raises(ValueError):
+        egress_rules(EgressPolicy(allow_out=[entry]))

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from aenv.domain import EgressPolicy
 from aenv.errors import RuntimeFailure
 from aenv.runtime.base import Instance, Runtime
 from aenv.runtime.fake import Call, FakeHost, FakeRuntime, FakeState
@@ -138,3 +139,23 @@ async def test_slots_are_reused_and_bounded(specs: Specs) -> None:
     assert c.address == a.address and c.address != b.address
     with pytest.raises(RuntimeFailure, match="not started"):
         await FakeRuntime().create(specs("f-cold"))
+
+
+async def test_egress_policy_is_kept_per_container(runtime: FakeRuntime, specs: Specs) -> None:
+    closed = EgressPolicy(allow_internet=False, allow_out=["203.0.113.10"])
+    a = await runtime.create(specs("f-eg", egress=closed))
+    b = await runtime.create(specs("f-eg2"))
+    assert runtime.egress(a) == closed and runtime.egress(b) is None
+    opened = EgressPolicy(deny_out=["198.51.100.0/24"])
+    await runtime.set_egress(b, opened)
+    assert runtime.egress(b) == opened and runtime.egress(a) == closed
+    with pytest.raises(ValueError):
+        await runtime.set_egress(a, EgressPolicy(allow_out=["example.com"]))
+    assert runtime.egress(a) == closed
+    assert [c.egress for c in runtime.calls if c.op == "set_egress"][0] == opened
+    await runtime.destroy(a)
+    await runtime.destroy(b)
+    assert runtime.egress(a) is None
+    with pytest.raises(RuntimeFailure, match="does not exist"):
+        await runtime.set_egress(a, opened)
+    assert runtime.ops()[-1] == "set_egress" and runtime.calls[-1].error is not None

@@ -10,7 +10,7 @@ and against gVisor) and adds what a test of the layers above needs:
   `RuntimeFailure`) before it changes anything; `before(op, hook)` runs `hook(call)` (sync
   or async: it may raise, or wait on an event to hold the operation) before each call.
 * `calls`: every async operation, in order, as a `Call` (`ops()` lists their names);
-  `state(inst)` and `instances()` show what the host holds.
+  `state(inst)`, `egress(inst)` and `instances()` show what the host holds.
 
 Containers get addresses from the documentation ranges (RFC 5737); a checkpoint is a small
 JSON file (`IMAGE_FILE`) that `image_complete` recognises and `restore` reads.
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
+from aenv.domain import EgressPolicy
 from aenv.errors import RuntimeFailure
 from aenv.runtime.base import Instance, Runtime, SandboxSpec, Stats
 
@@ -42,7 +43,7 @@ _NETWORKS = [
 _PER_NETWORK = 254
 OPS = frozenset(
     {"start", "close", "create", "restore", "stop", "destroy", "freeze", "thaw", "checkpoint"}
-    | {"stats", "alive"}
+    | {"stats", "alive", "set_egress"}
 )
 
 
@@ -68,6 +69,8 @@ class FakeContainer:
     layers: list[str]
     upper: str | None
     restored_from: str | None = None
+    # The rules in force in its slot (None: never set, the node's fixed denies only).
+    egress: EgressPolicy | None = None
 
 
 @dataclass
@@ -96,6 +99,7 @@ class Call:
     leave_running: bool | None = None
     reuse: str | None = None
     keep: frozenset[str] | None = None
+    egress: EgressPolicy | None = None
     # Set in the log once the call ended with an exception.
     error: BaseException | None = None
 
@@ -144,6 +148,11 @@ class FakeRuntime(Runtime):
     def state(self, inst: Instance | str) -> FakeState:
         c = self.host.containers.get(inst if isinstance(inst, str) else inst.id)
         return FakeState.GONE if c is None else c.state
+
+    def egress(self, inst: Instance | str) -> EgressPolicy | None:
+        """The egress policy in force for a container (None: none given, or it is gone)."""
+        c = self.host.containers.get(inst if isinstance(inst, str) else inst.id)
+        return None if c is None or c.state is FakeState.GONE else c.egress
 
     def instances(self) -> list[Instance]:
         """Handles of every container the host holds (not gone)."""
@@ -244,6 +253,16 @@ class FakeRuntime(Runtime):
         await self._enter(Call("alive", inst.id, inst.sandbox_id))
         return self.state(inst) in (FakeState.RUNNING, FakeState.FROZEN)
 
+    async def set_egress(self, inst: Instance, policy: EgressPolicy) -> None:
+        call = Call("set_egress", inst.id, inst.sandbox_id, egress=policy)
+        await self._enter(call)
+        c = self._own(inst, call)
+        try:
+            policy.normalized()
+        except ValueError as e:
+            self._failed(call, e)
+        c.egress = policy
+
     def is_stopped(self, inst: Instance) -> bool:
         return self.state(inst) is FakeState.STOPPED
 
@@ -281,6 +300,11 @@ class FakeRuntime(Runtime):
             self._failed(call, RuntimeFailure(f"invalid sandbox id {spec.sandbox_id!r}"))
         if spec.upper is not None and not spec.upper.is_dir():
             self._failed(call, RuntimeFailure(f"upper dir {spec.upper} does not exist"))
+        if spec.egress is not None:
+            try:
+                spec.egress.normalized()
+            except ValueError as e:
+                self._failed(call, e)
         if reuse is not None:
             held = self.host.containers.get(reuse.id)
             if held is None or held.state is not FakeState.STOPPED:
@@ -311,6 +335,7 @@ class FakeRuntime(Runtime):
             layers=[str(p) for p in spec.layers],
             upper=None if spec.upper is None else str(spec.upper),
             restored_from=None if image_dir is None else str(image_dir),
+            egress=spec.egress,
         )
         self.host.containers[iid] = c
         return _handle(c)

@@ -19,6 +19,11 @@ Slot N (names from `settings.net_prefix`, here `P`):
   - `P-POSTROUTING` (nat): MASQUERADE for the range, leaving the host.
   - `net.ipv4.ip_forward=1`.
 * Router netns: INPUT from `gw0` is dropped (the sandbox cannot talk to the router itself).
+  FORWARD from `gw0` jumps to the chain `egress` (`EGRESS_CHAIN`): the sandbox's own egress
+  rules (`apply_egress`, from an `EgressPolicy`). It is made empty with the slot, so an open
+  policy costs nothing. A packet this chain accepts still crosses the host's `P-INPUT` and
+  `P-FORWARD` on its way out of the router, so the fixed denies above (host, other sandboxes,
+  link-local) hold whatever the policy allows: no entry can open them.
 
 Slots are built ahead of time by a small warm pool. Once runsc used an inner netns it has moved
 eth0's address into its netstack, so `release` tears the slot down and the pool builds fresh
@@ -40,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aenv.config import Settings
+from aenv.domain import EgressPolicy
 from aenv.errors import RuntimeFailure
 from aenv.runtime import _proc
 
@@ -51,6 +57,38 @@ LINK_PREFIXLEN = 30
 NETNS_DIR = Path("/run/netns")
 SYS_NET = Path("/sys/class/net")
 IFNAMSIZ = 15  # usable characters of a Linux interface name
+EGRESS_CHAIN = "egress"  # in each router netns (so no prefix: nothing else lives there)
+
+
+def egress_rules(policy: EgressPolicy) -> str:
+    """`iptables-restore --noflush` input that rewrites a router's egress chain in one
+    transaction (no moment without rules): replies of established connections pass, then
+    `allow_out` accepts, `deny_out` rejects, and the rest is rejected unless
+    `allow_internet`. An open policy leaves the chain empty. ValueError for an entry that is
+    not an IPv4 address or block (`EgressPolicy.normalized`).
+
+    Rejects answer at once (TCP reset, else ICMP port unreachable) so a refused connection
+    fails fast in the sandbox instead of hanging until its timeout."""
+    p = policy.normalized()
+    c = EGRESS_CHAIN
+    # Declaring an existing user chain under --noflush flushes it (legacy and nft alike).
+    lines = ["*filter", f":{c} - [0:0]"]
+    if not p.is_open:
+        lines.append(f"-A {c} -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT")
+        lines += [f"-A {c} -d {net} -j ACCEPT" for net in p.allow_out]
+        for net in p.deny_out:
+            lines += _reject(f"-A {c} -d {net}")
+        if not p.allow_internet:
+            lines += _reject(f"-A {c}")
+    lines.append("COMMIT")
+    return "\n".join(lines) + "\n"
+
+
+def _reject(match: str) -> list[str]:
+    return [
+        f"{match} -p tcp -j REJECT --reject-with tcp-reset",
+        f"{match} -j REJECT --reject-with icmp-port-unreachable",
+    ]
 
 
 @dataclass(frozen=True)
@@ -261,7 +299,9 @@ nsenter --net={NETNS_DIR / s.router_ns} /bin/sh -c \\
 -A POSTROUTING -o up0 -s {SANDBOX_IP} -j SNAT --to-source {s.router_ip}
 COMMIT
 *filter
+:{EGRESS_CHAIN} - [0:0]
 -A INPUT -i gw0 -j DROP
+-A FORWARD -i gw0 -j {EGRESS_CHAIN}
 COMMIT
 EOF
 """
@@ -293,6 +333,30 @@ EOF
         t0 = time.perf_counter()
         await _proc.run(["ip", "-n", s.inner_ns, "-batch", "-"], input=batch, time_limit=30)
         log.debug("slot %d re-armed in %.1f ms", n, (time.perf_counter() - t0) * 1000)
+
+    async def apply_egress(self, n: int, policy: EgressPolicy) -> None:
+        """Replaces the egress rules of slot `n` atomically (see `egress_rules`); works with
+        or without a sandbox in the slot. RuntimeFailure when the slot is gone."""
+        rules = egress_rules(policy)
+        ns = NETNS_DIR / self.addr.router_ns(n)
+        t0 = time.perf_counter()
+        await _proc.run(
+            ["nsenter", f"--net={ns}", "iptables-restore", "-w", "--noflush"],
+            input=rules,
+            time_limit=30,
+            what=f"egress rules of slot {n}",
+        )
+        log.debug("slot %d egress rules in %.1f ms", n, (time.perf_counter() - t0) * 1000)
+
+    async def drop_connections(self, address: str) -> None:
+        """Aborts the host's TCP connections to a sandbox (the node's own: envd client,
+        proxy) before a checkpoint. runsc 20240729 restores a sandbox that had an open
+        connection at checkpoint time with a wedged netstack (the listener never accepts
+        again); the connections would be dropped at restore anyway (--net-disconnect-ok)."""
+        try:
+            await _proc.run(["ss", "-K", "dst", address], time_limit=10)
+        except RuntimeFailure as e:
+            log.warning("could not drop connections to %s: %s", address, e)
 
     async def teardown(self, n: int) -> None:
         """Deletes the host veth and both netns of slot `n`; missing parts are fine."""

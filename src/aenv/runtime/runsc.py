@@ -19,6 +19,7 @@ import asyncio
 import builtins
 import json
 import logging
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,21 @@ _NETNS_FIX_WRAPPER = ["unshare", "-m", "--propagation", "slave", "/bin/sh", "-c"
 _SETUP_COMMANDS = {"run", "restore", "create"}
 
 RUNNING_STATES = frozenset({"running", "paused"})
+
+# What `runsc checkpoint` writes: the state file always, the memory pages beside it (as a
+# pair) when runsc keeps them apart.
+_IMAGE_STATE = "checkpoint.img"
+_IMAGE_PAGES = ("pages_meta.img", "pages.img")
+
+
+def image_complete(image_dir: Path) -> bool:
+    """Whether `image_dir` holds all a `runsc checkpoint` wrote (blocking: a few stats)."""
+    try:
+        state = (image_dir / _IMAGE_STATE).stat()
+    except OSError:
+        return False
+    pages = [(image_dir / name).is_file() for name in _IMAGE_PAGES]
+    return stat.S_ISREG(state.st_mode) and state.st_size > 0 and all(pages) == any(pages)
 
 
 def is_missing(err: RuntimeFailure) -> bool:

@@ -8,15 +8,15 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import stat
 import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
+from aenv.domain import EgressPolicy
 from aenv.errors import RuntimeFailure
-from aenv.runtime import _proc, oci, rootfs
+from aenv.runtime import _proc, oci, rootfs, runsc
 from aenv.runtime.base import Instance, Runtime, SandboxSpec, Stats
 from aenv.runtime.freezer import CGROUP_ROOT, Freezer
 from aenv.runtime.gvisor import bundles
@@ -31,10 +31,6 @@ from aenv.runtime.runsc import Runsc, gather_quiet
 log = logging.getLogger("aenv.runtime")
 
 _MAX_SOCKET_PATH = 107  # runsc's control socket `<root>/runsc-<id>.sock` (sun_path)
-# What `runsc checkpoint` writes: the state file always, the memory pages beside it (as a
-# pair) when runsc keeps them apart.
-_IMAGE_STATE = "checkpoint.img"
-_IMAGE_PAGES = ("pages_meta.img", "pages.img")
 
 
 class GVisorRuntime(Runtime):
@@ -146,12 +142,7 @@ class GVisorRuntime(Runtime):
         return self._parse(inst).stopped
 
     def image_complete(self, image_dir: Path) -> bool:
-        try:
-            state = (image_dir / _IMAGE_STATE).stat()
-        except OSError:
-            return False
-        pages = [(image_dir / name).is_file() for name in _IMAGE_PAGES]
-        return stat.S_ISREG(state.st_mode) and state.st_size > 0 and all(pages) == any(pages)
+        return runsc.image_complete(image_dir)
 
     # Sandboxes ---------------------------------------------------------------------------
 
@@ -174,9 +165,12 @@ class GVisorRuntime(Runtime):
             raise RuntimeFailure(f"no complete checkpoint image at {image_dir}")
         if spec.upper is not None and not await asyncio.to_thread(spec.upper.is_dir):
             raise RuntimeFailure(f"upper dir {spec.upper} does not exist")
+        if spec.egress is not None:
+            spec.egress.normalized()  # ValueError for a bad entry, before anything is taken
         t0 = time.perf_counter()
         held = self._claim_stopped(reuse, spec) if reuse is not None else None
-        rearm: asyncio.Task[None] | None = None
+        # Network work, done while the rootfs and bundle are prepared.
+        net: asyncio.Task[None] | None = None
         try:
             if held is not None:
                 cid = held.id
@@ -185,12 +179,19 @@ class GVisorRuntime(Runtime):
                     # id is not free. The old container is deleted once this one runs.
                     cid = self._new_cid(spec.sandbox_id)
                 slot = self.addressing.slot(held.slot)
-                # Puts the slot's address back while the rootfs and bundle are prepared.
-                rearm = asyncio.create_task(self.network.rearm(slot.index))
-                rearm.add_done_callback(_retrieve)
+                # Always rewritten: the slot keeps whatever rules it had before the stop.
+                net = asyncio.create_task(
+                    self._ready_slot(slot.index, spec.egress or EgressPolicy(), rearm=True)
+                )
             else:
                 cid = self._new_cid(spec.sandbox_id)
                 slot = await self.pool.acquire()
+                if spec.egress is not None and not spec.egress.is_open:
+                    net = asyncio.create_task(
+                        self._ready_slot(slot.index, spec.egress, rearm=False)
+                    )
+            if net is not None:
+                net.add_done_callback(_retrieve)
         except BaseException:
             if held is not None:
                 self._busy.discard(held.id)
@@ -201,11 +202,11 @@ class GVisorRuntime(Runtime):
         self._live[cid] = c
         try:
             t1 = await self._boot(
-                spec, c, slot, image_dir, fresh_bundle=held is None, before_runsc=rearm
+                spec, c, slot, image_dir, fresh_bundle=held is None, before_runsc=net
             )
         except BaseException:
-            if rearm is not None and not rearm.done():
-                rearm.cancel()
+            if net is not None and not net.done():
+                net.cancel()
             self._live.pop(cid, None)
             if held is None:
                 task = self._spawn(self._finish(c, owned=True))
@@ -230,6 +231,13 @@ class GVisorRuntime(Runtime):
             (time.perf_counter() - t1) * 1000,
         )
         return c.handle()
+
+    async def _ready_slot(self, n: int, policy: EgressPolicy, *, rearm: bool) -> None:
+        """A slot's network before runsc starts in it: its address put back (a reused slot,
+        see `Network.rearm`) and the sandbox's egress rules."""
+        if rearm:
+            await self.network.rearm(n)
+        await self.network.apply_egress(n, policy)
 
     def _new_cid(self, sandbox_id: str) -> str:
         cid = f"{sandbox_id}-{secrets.token_hex(4)}"
@@ -436,7 +444,7 @@ class GVisorRuntime(Runtime):
         t0 = time.perf_counter()
         # A frozen sandbox is checkpointed as it stands: runsc stops its tasks first thing.
         await asyncio.to_thread(self.procs.unfreeze, c.id, c.cgroup)
-        await self._drop_connections(c.address)
+        await self.network.drop_connections(c.address)
         await self.runsc.checkpoint(
             c.id,
             image_dir,
@@ -452,16 +460,6 @@ class GVisorRuntime(Runtime):
             "checkpointed %s to %s in %.0f ms", c.id, image_dir, (time.perf_counter() - t0) * 1000
         )
 
-    async def _drop_connections(self, address: str) -> None:
-        """Aborts the host's TCP connections to the sandbox (the node's own: envd client,
-        proxy) before a checkpoint. runsc 20240729 restores a sandbox that had an open
-        connection at checkpoint time with a wedged netstack (the listener never accepts
-        again); the connections would be dropped at restore anyway (--net-disconnect-ok)."""
-        try:
-            await _proc.run(["ss", "-K", "dst", address], time_limit=10)
-        except RuntimeFailure as e:
-            log.warning("could not drop connections to %s: %s", address, e)
-
     async def alive(self, inst: Instance) -> bool:
         mine = self._parse(inst)
         held = self._live.get(inst.id, mine)
@@ -471,6 +469,13 @@ class GVisorRuntime(Runtime):
 
     async def stats(self, inst: Instance) -> Stats:
         return await self.meter.stats(self._view(inst))
+
+    async def set_egress(self, inst: Instance, policy: EgressPolicy) -> None:
+        # The rules live in the slot, not the container: running, frozen or stopped alike.
+        held = self._live.get(inst.id)
+        if held is None or inst.id in self._destroying:
+            raise RuntimeFailure(f"container {inst.id} is not a sandbox of this runtime")
+        await self.network.apply_egress(held.slot, policy)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(coro)
