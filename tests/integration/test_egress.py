@@ -1,0 +1,269 @@
+"""Egress rules enforced in the network path, on real gVisor sandboxes (busybox, as in
+test_runtime_gvisor.py) against a fake internet this module makes:
+
+    host  <fake veth> 192.0.2.1/30  <──>  192.0.2.2/30 eth0, netns of its own
+          route 203.0.113.0/24 via 192.0.2.2      203.0.113.10, .20 on its lo, a listener on :8080
+
+The listener answers with the address it was reached at, so a probe knows which target it hit.
+Own net prefix and range; the fake internet (listener, route, veth, netns) is removed by name
+even when a test fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from aenv.domain import EgressPolicy
+from aenv.runtime.base import Instance
+from aenv.runtime.gvisor import GVisorRuntime
+from aenv.runtime.network import SlotAddressing
+
+from .test_runtime_gvisor import (
+    assert_no_traces,
+    host_nc,
+    host_servers,
+    make_rootfs,
+    make_settings,
+    probe,
+    rec,
+    spec,
+    wait_http,
+)
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("runsc") is None or not Path("/bin/busybox").exists(),
+        reason="needs root, runsc and busybox-static",
+    ),
+]
+
+__all__ = ["host_servers"]  # a fixture used here, imported for pytest to find
+
+PREFIX, CIDR = "aetse", "10.214.0.0/16"
+NET_HOST, NET_PEER, TARGETS = "192.0.2.1", "192.0.2.2", "203.0.113.0/24"
+A, B, PORT = "203.0.113.10", "203.0.113.20", 8080
+# Refused connections are answered (reset / port unreachable): a probe of them is quick,
+# far below the client's 2 s timeout that a silently dropped one would take.
+QUICK = 1.5
+
+LISTENER = """
+import socket, threading
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 8080)); s.listen(64)
+def serve(c):
+    try:
+        c.settimeout(2); c.recv(1024)
+        body = ("ext " + c.getsockname()[0] + "\\n").encode()
+        c.sendall(b"HTTP/1.0 200 OK\\r\\nContent-Length: %d\\r\\n\\r\\n" % len(body) + body)
+    finally:
+        c.close()
+while True:
+    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+"""
+
+
+@pytest.fixture(scope="module")
+def internet() -> Iterator[None]:
+    """The fake internet; names unique per run, every part removed by name at the end."""
+    tok = secrets.token_hex(3)
+    ns, veth = f"aeegx-{tok}", f"aeegx{tok}"
+    setup = f"""set -e
+ip netns add {ns}
+ip link add {veth} type veth peer name eth0 netns {ns}
+ip addr add {NET_HOST}/30 dev {veth}; ip link set {veth} up
+ip -n {ns} addr add {NET_PEER}/30 dev eth0; ip -n {ns} link set eth0 up
+ip -n {ns} link set lo up
+ip -n {ns} addr add {A}/32 dev lo; ip -n {ns} addr add {B}/32 dev lo
+ip route add {TARGETS} via {NET_PEER} dev {veth}
+"""
+    proc = None
+    try:
+        subprocess.run(["sh", "-c", setup], check=True)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, "python3", "-c", LISTENER], stdin=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 10
+        while not all(b"ext " in host_nc(ip, PORT) for ip in (A, B)):
+            assert time.monotonic() < deadline, "the fake internet does not answer"
+            time.sleep(0.05)
+        yield
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["ip", "route", "del", TARGETS, "dev", veth], capture_output=True)
+        subprocess.run(["ip", "link", "del", veth], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def rootfs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_rootfs(tmp_path_factory.mktemp("egress-layer"))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def runtime(
+    tmp_path_factory: pytest.TempPathFactory, internet: None
+) -> AsyncIterator[GVisorRuntime]:
+    settings = make_settings(tmp_path_factory.mktemp("egress-home"), PREFIX, CIDR)
+    rt = GVisorRuntime(settings)
+    try:
+        await rt.start(set())
+        yield rt
+    finally:
+        await GVisorRuntime(settings).purge()
+        assert_no_traces(settings)
+
+
+async def reach(inst: Instance) -> dict[str, bool]:
+    """From inside the sandbox: which of the two targets answer."""
+    res = await probe(inst, [(A, PORT), (B, PORT)])
+    return {ip: res[(ip, PORT)] for ip in (A, B)}
+
+
+async def reach_quickly(inst: Instance) -> dict[str, bool]:
+    t0 = time.perf_counter()
+    res = await reach(inst)
+    assert time.perf_counter() - t0 < QUICK, "a refused connection hung instead of failing"
+    return res
+
+
+async def start(
+    rt: GVisorRuntime, rootfs: Path, name: str, egress: EgressPolicy | None
+) -> Instance:
+    inst = await rt.create(spec([rootfs], name, egress=egress))
+    try:
+        await wait_http(inst)  # the node reaches it whatever its egress rules
+    except BaseException:
+        await rt.destroy(inst)
+        raise
+    return inst
+
+
+async def test_open_policy_reaches_both(runtime: GVisorRuntime, rootfs: Path) -> None:
+    for name, egress in (("eg-none", None), ("eg-open", EgressPolicy())):
+        inst = await start(runtime, rootfs, name, egress)
+        try:
+            assert await reach(inst) == {A: True, B: True}
+        finally:
+            await runtime.destroy(inst)
+
+
+async def test_policies_at_create(runtime: GVisorRuntime, rootfs: Path) -> None:
+    cases = [
+        (EgressPolicy(deny_out=[A]), {A: False, B: True}),
+        (EgressPolicy(allow_internet=False, allow_out=[f"{A}/32"]), {A: True, B: False}),
+        # allow wins over deny
+        (EgressPolicy(allow_out=[A], deny_out=["0.0.0.0/0"]), {A: True, B: False}),
+        (EgressPolicy(allow_internet=False), {A: False, B: False}),
+        (EgressPolicy(deny_out=["203.0.113.0/24"]), {A: False, B: False}),
+    ]
+    insts = await asyncio.gather(
+        *(start(runtime, rootfs, f"eg-c{i}", p) for i, (p, _) in enumerate(cases))
+    )
+    try:
+        for inst, (policy, want) in zip(insts, cases, strict=True):
+            assert await reach_quickly(inst) == want, policy
+    finally:
+        await asyncio.gather(*(runtime.destroy(i) for i in insts))
+
+
+async def test_set_egress_changes_a_running_sandbox_live(
+    runtime: GVisorRuntime, rootfs: Path
+) -> None:
+    inst = await start(runtime, rootfs, "eg-live", None)
+    try:
+        assert await reach(inst) == {A: True, B: True}
+        await runtime.set_egress(inst, EgressPolicy(deny_out=[B]))
+        assert await reach_quickly(inst) == {A: True, B: False}
+        await runtime.set_egress(inst, EgressPolicy(allow_internet=False, allow_out=[B]))
+        assert await reach_quickly(inst) == {A: False, B: True}
+        await runtime.freeze(inst)
+        await runtime.set_egress(inst, EgressPolicy(deny_out=[A]))
+        await runtime.thaw(inst)
+        assert await reach_quickly(inst) == {A: False, B: True}
+        await runtime.set_egress(inst, EgressPolicy())
+        assert await reach(inst) == {A: True, B: True}
+    finally:
+        await runtime.destroy(inst)
+
+
+async def test_rules_hold_across_hibernate_and_restore(
+    runtime: GVisorRuntime, rootfs: Path, tmp_path: Path
+) -> None:
+    only_a = EgressPolicy(allow_internet=False, allow_out=[A])
+    inst = await start(runtime, rootfs, "eg-hib", only_a)
+    again: Instance | None = None
+    child: Instance | None = None
+    try:
+        assert await reach_quickly(inst) == {A: True, B: False}
+        # A restore into a new slot with the rules in its spec.
+        await runtime.checkpoint(inst, tmp_path / "fork", leave_running=True)
+        child = await runtime.restore(
+            spec([rootfs], "eg-kid", egress=EgressPolicy(deny_out=[A])), tmp_path / "fork"
+        )
+        assert rec(child).slot != rec(inst).slot
+        await wait_http(child)
+        assert await reach_quickly(child) == {A: False, B: True}
+        assert await reach_quickly(inst) == {A: True, B: False}
+        # Hibernate: checkpoint, stop, restore into its own slot.
+        await runtime.checkpoint(inst, tmp_path / "hib", leave_running=False)
+        await runtime.stop(inst)
+        again = await runtime.restore(
+            spec([rootfs], "eg-hib", egress=only_a), tmp_path / "hib", reuse=inst
+        )
+        assert again.address == inst.address
+        await wait_http(again)
+        assert await reach_quickly(again) == {A: True, B: False}
+        # A change made while stopped is what the next start brings (the orchestrator passes
+        # the current policy in the spec); a spec without rules opens the slot again.
+        await runtime.checkpoint(again, tmp_path / "hib2", leave_running=False)
+        await runtime.stop(again)
+        await runtime.set_egress(again, EgressPolicy(deny_out=[B]))
+        third = await runtime.restore(spec([rootfs], "eg-hib"), tmp_path / "hib2", reuse=again)
+        again = third
+        await wait_http(third)
+        assert await reach(third) == {A: True, B: True}
+    finally:
+        if child is not None:
+            await runtime.destroy(child)
+        await runtime.destroy(again if again is not None else inst)
+
+
+async def test_fixed_denies_hold_whatever_allow_out_says(
+    runtime: GVisorRuntime, rootfs: Path, host_servers: tuple[int, int]
+) -> None:
+    public_port, local_port = host_servers
+    everything = EgressPolicy(allow_internet=False, allow_out=["0.0.0.0/0"])
+    inst = await start(runtime, rootfs, "eg-host", everything)
+    other = await start(runtime, rootfs, "eg-other", None)
+    try:
+        own_host_ip = SlotAddressing(PREFIX, CIDR).host_ip(rec(inst).slot)
+        host_side = [(own_host_ip, public_port), (NET_HOST, public_port)]
+        for ip, port in host_side:  # sanity: the host serves there
+            assert b"HTTP/1.0 200" in await asyncio.to_thread(host_nc, ip, port), ip
+        targets = [
+            *host_side,
+            (own_host_ip, local_port),
+            ("127.0.0.1", local_port),
+            ("169.254.169.254", 80),
+            (other.address, 49983),
+            (A, PORT),
+        ]
+        res = await probe(inst, targets)
+        assert res.pop((A, PORT)) is True, "allow_out 0.0.0.0/0 must reach the internet"
+        assert not any(res.values()), res
+    finally:
+        await asyncio.gather(runtime.destroy(inst), runtime.destroy(other))
