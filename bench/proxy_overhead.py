@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
-from aenv.domain import ENVD_PORT
+from aenv.domain import ENVD_PORT, Upstream
 
 BODY = b'{"path":"/home/user"}'
 REPLY = (
@@ -137,8 +137,8 @@ def run_server(role: str, port: int, upstream_port: int) -> None:
         app = upstream_app
     else:
 
-        async def resolver(sandbox_id: str, sandbox_port: int) -> tuple[str, int]:
-            return "127.0.0.1", upstream_port
+        async def resolver(sandbox_id: str, sandbox_port: int, token: str | None) -> Upstream:
+            return Upstream("127.0.0.1", upstream_port)
 
         http = make_httpx_forwarder() if role == "httpx" else None
         app = SandboxRouter(control_app, resolver, ["localhost"], http=http)

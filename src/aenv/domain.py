@@ -108,6 +108,16 @@ class Instance:
     data: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Upstream:
+    """Where the data plane sends one request for a sandbox's port."""
+
+    host: str
+    port: int
+    # The Host header the sandbox sees instead of the client's (E2B's `maskRequestHost`).
+    host_header: str | None = None
+
+
 @dataclass
 class BootInfo:
     """What a sandbox inherited from its template, for every later boot of it."""
@@ -183,6 +193,10 @@ class CreateRequest:
     auto_resume: bool = False
     secure: bool = True
     egress: EgressPolicy = field(default_factory=EgressPolicy)
+    # False: requests to the sandbox's own ports need its traffic access token.
+    public_traffic: bool = True
+    # The Host header its ports see, `${PORT}` replaced by the port (E2B's maskRequestHost).
+    mask_request_host: str | None = None
 
 
 @dataclass
@@ -205,6 +219,10 @@ class SandboxRecord:
     auto_pause_memory: bool = True
     auto_resume: bool = False
     egress: EgressPolicy = field(default_factory=EgressPolicy)
+    # Non-empty for a private sandbox: what a request to one of its ports must carry in
+    # `e2b-traffic-access-token` (envd's port has its own token).
+    traffic_access_token: str = ""
+    mask_request_host: str | None = None
     # The runtime's handle while a container exists (running, frozen); None otherwise.
     instance: Instance | None = None
     paused: PausedState | None = None

@@ -16,7 +16,7 @@ from aenv.api.app import create_app
 from aenv.api.idempotency import IdempotencyCache
 from aenv.api.listing import Cursor, paginate, parse_metadata_filter
 from aenv.config import Settings
-from aenv.domain import CreateRequest, EgressPolicy, SandboxRecord, Timings
+from aenv.domain import CreateRequest, EgressPolicy, SandboxRecord, Timings, Upstream
 from aenv.domain import SandboxState as State
 from aenv.errors import BadRequest, Conflict, NotFound
 from tests.helpers import uvicorn_thread
@@ -82,6 +82,7 @@ class FakeOrchestrator:
             auto_pause=req.auto_pause,
             auto_resume=req.auto_resume,
             envd_access_token="secret" if req.secure else "",
+            traffic_access_token="" if req.public_traffic else "traffic-secret",
         )
         self._time(timings)
         return r
@@ -160,9 +161,11 @@ class FakeOrchestrator:
         r.state = State.PAUSED
         self._time(timings)
 
-    async def resolve(self, sandbox_id: str, port: int) -> tuple[str, int]:
+    async def resolve(
+        self, sandbox_id: str, port: int, traffic_token: str | None = None
+    ) -> Upstream:
         self.get(sandbox_id)
-        return "127.0.0.1", port
+        return Upstream("127.0.0.1", port)
 
 
 @pytest.fixture
@@ -399,7 +402,11 @@ async def test_create_v2_shape_and_mapping(
             "allow_internet_access": False,
             "cpuCount": 4,
             "memoryMB": 1024,
-            "network": {"allowPublicTraffic": True, "allowOut": ["203.0.113.7"]},
+            "network": {
+                "allowPublicTraffic": False,
+                "allowOut": ["203.0.113.7"],
+                "maskRequestHost": "localhost:${PORT}",
+            },
             "mcp": None,
             "somethingNew": [1, 2],
         },
@@ -413,7 +420,7 @@ async def test_create_v2_shape_and_mapping(
         "envdVersion": "0.6.4",
         "alias": "base",
         "envdAccessToken": "secret",
-        "trafficAccessToken": None,
+        "trafficAccessToken": "traffic-secret",
         "domain": None,
     }
     (req,) = orch.requests
@@ -429,6 +436,8 @@ async def test_create_v2_shape_and_mapping(
         auto_resume=True,
         secure=True,
         egress=EgressPolicy(allow_internet=False, allow_out=["203.0.113.7/32"]),
+        public_traffic=False,
+        mask_request_host="localhost:${PORT}",
     )
 
 
@@ -552,7 +561,12 @@ async def test_get_detail_shape(client: httpx.AsyncClient, orch: FakeOrchestrato
         "metadata": {"a": "b"},
         "envdAccessToken": f"tok-{rec.sandbox_id}",
         "allowInternetAccess": True,
-        "network": {"allowOut": [], "denyOut": [], "dnsServers": []},
+        "network": {
+            "allowPublicTraffic": True,
+            "allowOut": [],
+            "denyOut": [],
+            "dnsServers": [],
+        },
         "domain": None,
         "lifecycle": {"autoResume": True, "onTimeout": "pause"},
     }
@@ -918,6 +932,7 @@ async def test_update_network_replaces_rules_and_shows_them(
     )
     info = (await client.get(f"/sandboxes/{sbx.sandbox_id}")).json()
     assert info["network"] == {
+        "allowPublicTraffic": True,
         "allowOut": ["198.51.100.0/24"],
         "denyOut": ["0.0.0.0/0"],
         "dnsServers": [],

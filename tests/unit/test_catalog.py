@@ -8,6 +8,7 @@ from pathlib import Path
 
 from aenv.domain import (
     BootInfo,
+    EgressPolicy,
     Instance,
     PausedState,
     PauseTier,
@@ -37,7 +38,7 @@ def record(**kw: object) -> SandboxRecord:
         "envd_access_token": "tok",
         **kw,
     }
-    return SandboxRecord(**values)
+    return SandboxRecord(**values)  # type: ignore[arg-type]
 
 
 def test_sandbox_round_trip(tmp_path: Path) -> None:
@@ -48,6 +49,9 @@ def test_sandbox_round_trip(tmp_path: Path) -> None:
         paused=PausedState(PauseTier.HIBERNATED, T0, image="hib-isbx-1"),
         boot=BootInfo(env={"A": "1"}, user="user", workdir="/w", from_layers=["sha256:a"]),
         layers=["sha256:b", "sha256:a"],
+        egress=EgressPolicy(allow_internet=False, allow_out=["203.0.113.0/24"]),
+        traffic_access_token="tt",
+        mask_request_host="localhost:${PORT}",
     )
     c.put_sandbox(r)
     assert c.sandboxes() == [r]
@@ -56,8 +60,9 @@ def test_sandbox_round_trip(tmp_path: Path) -> None:
 def test_rows_of_an_earlier_version_load(tmp_path: Path) -> None:
     c = Catalog(tmp_path / "catalog.db")
     doc = json.loads(json.dumps({**record().__dict__}, default=str))
-    doc.pop("paused")
-    doc.pop("instance")
+    for key in ("paused", "instance", "egress", "traffic_access_token", "mask_request_host"):
+        doc.pop(key)
+    doc["allow_internet_access"] = False
     doc["state"] = "paused"
     doc["boot"] = {"env": {}, "user": None, "workdir": None, "from_layers": []}
     doc["paused_state"] = {"tier": "frozen", "paused_at": T0.isoformat()}
@@ -78,6 +83,7 @@ def test_rows_of_an_earlier_version_load(tmp_path: Path) -> None:
         "10.200.0.6",
     )
     assert r.tier is PauseTier.FROZEN and r.paused is not None and r.paused.paused_at == T0
+    assert r.egress == EgressPolicy(allow_internet=False)
 
 
 def test_templates_keep_names_and_builder_keys(tmp_path: Path) -> None:

@@ -10,8 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from aenv.domain import CreateRequest, EgressPolicy, PauseTier, SandboxState, TemplateKind
-from aenv.errors import Conflict, NotFound, RuntimeFailure, Unavailable
+from aenv.domain import (
+    ENVD_PORT,
+    CreateRequest,
+    EgressPolicy,
+    PauseTier,
+    SandboxState,
+    TemplateKind,
+)
+from aenv.errors import Conflict, Forbidden, NotFound, RuntimeFailure, Unavailable
 from aenv.runtime.fake import FakeState
 from tests.node_harness import Harness, build, started
 
@@ -147,8 +154,8 @@ async def test_proxy_resolve_resumes_only_with_auto_resume(node: Harness) -> Non
         await node.orch.pause(r.sandbox_id)
     with pytest.raises(Exception, match="paused"):
         await node.orch.resolve(plain.sandbox_id, 8080)
-    address, port = await node.orch.resolve(auto.sandbox_id, 8080)
-    assert port == 8080 and address == node.orch.get(auto.sandbox_id).address
+    up = await node.orch.resolve(auto.sandbox_id, 8080)
+    assert up.port == 8080 and up.host == node.orch.get(auto.sandbox_id).address
     assert node.orch.get(auto.sandbox_id).state is SandboxState.RUNNING
 
 
@@ -444,3 +451,37 @@ async def test_pool_sandbox_gets_the_requests_rules(tmp_path: Path) -> None:
         r = await h.orch.create(CreateRequest(egress=CLOSED))
         assert h.runtime.ops().count("create") == 1  # the pool's sandbox was handed out
         assert r.instance is not None and h.runtime.egress(r.instance) == CLOSED
+
+
+# ---------------------------------------------------------------------------- private traffic
+async def test_private_sandbox_ports_want_its_traffic_token(node: Harness) -> None:
+    r = await node.orch.create(
+        CreateRequest(public_traffic=False, mask_request_host="localhost:${PORT}", auto_resume=True)
+    )
+    other = await node.orch.create(CreateRequest(public_traffic=False))
+    public = await node.orch.create(CreateRequest())
+    token = r.traffic_access_token
+    assert token and other.traffic_access_token and token != other.traffic_access_token
+    assert public.traffic_access_token == ""
+    with pytest.raises(Forbidden):
+        await node.orch.resolve(r.sandbox_id, 3000)
+    with pytest.raises(Forbidden):
+        await node.orch.resolve(r.sandbox_id, 3000, other.traffic_access_token)
+    up = await node.orch.resolve(r.sandbox_id, 3000, token)
+    assert up.host_header == "localhost:3000"
+    # envd's port has its own token; a public sandbox wants none.
+    assert (await node.orch.resolve(r.sandbox_id, ENVD_PORT)).port == ENVD_PORT
+    assert (await node.orch.resolve(public.sandbox_id, 3000)).host_header is None
+    # A refused request does not wake a paused sandbox.
+    await node.orch.pause(r.sandbox_id)
+    with pytest.raises(Forbidden):
+        await node.orch.resolve(r.sandbox_id, 3000)
+    assert node.orch.get(r.sandbox_id).state is SandboxState.PAUSED
+
+
+async def test_fork_children_get_their_own_traffic_tokens(node: Harness) -> None:
+    parent = await node.orch.create(CreateRequest(public_traffic=False))
+    kids = [res.sandbox for res in await node.orch.fork(parent.sandbox_id, 2)]
+    tokens = {k.traffic_access_token for k in kids if k is not None}
+    assert len(tokens) == 2 and "" not in tokens
+    assert parent.traffic_access_token not in tokens

@@ -23,7 +23,8 @@ import websockets
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from aenv.errors import Gone, NotFound
+from aenv.domain import Upstream
+from aenv.errors import Forbidden, Gone, NotFound
 from aenv.proxy import ConnectionPool, HttpForwarder, SandboxRouter
 from tests.helpers import free_port, uvicorn_task
 
@@ -293,8 +294,12 @@ async def env() -> AsyncIterator[Env]:
     dead_port = free_port()
     async with serve(make_upstream(upstream)) as upstream_port:
 
-        async def resolver(sandbox_id: str, port: int) -> tuple[str, int]:
+        async def resolver(sandbox_id: str, port: int, token: str | None) -> Upstream:
             resolved.append((sandbox_id, port))
+            if sandbox_id == "private":
+                if token != "t0k":
+                    raise Forbidden("sandbox private is private")
+                return Upstream("127.0.0.1", upstream_port, host_header=f"masked:{port}")
             if sandbox_id == "missing":
                 raise NotFound(f"sandbox {sandbox_id} not found")
             if sandbox_id == "paused":
@@ -302,8 +307,8 @@ async def env() -> AsyncIterator[Env]:
             if sandbox_id == "boom":
                 raise RuntimeError("resolver bug")
             if sandbox_id == "dead":
-                return "127.0.0.1", dead_port
-            return "127.0.0.1", upstream_port
+                return Upstream("127.0.0.1", dead_port)
+            return Upstream("127.0.0.1", upstream_port)
 
         router = SandboxRouter(make_control(control), resolver, ["localhost", "sbx.test"])
         async with serve(router, lifespan="on") as proxy_port:
@@ -445,7 +450,7 @@ async def _no_control_app(scope: Any, receive: Any, send: Any) -> None:
 
 
 async def test_route_parsing() -> None:
-    async def resolver(sandbox_id: str, port: int) -> tuple[str, int]:
+    async def resolver(sandbox_id: str, port: int, token: str | None) -> Upstream:
         raise AssertionError
 
     router = SandboxRouter(_no_control_app, resolver, ["Example.COM.", ""])
@@ -507,6 +512,18 @@ async def test_envd_internal_routes_are_refused(env: Env, path: str) -> None:
     async with env.client() as c:
         r = await c.post(path, headers={"e2b-sandbox-id": "sbx1", "e2b-sandbox-port": "8080"})
     assert r.status_code == 200
+
+
+async def test_traffic_token_goes_to_the_resolver_not_the_sandbox(env: Env) -> None:
+    private = {"e2b-sandbox-id": "private", "e2b-sandbox-port": "8080"}
+    async with env.client() as c:
+        r = await c.get("/app", headers=private)
+        assert r.status_code == 403 and r.json()["code"] == 403
+        r = await c.get("/app", headers={**private, "e2b-traffic-access-token": "t0k"})
+    assert r.status_code == 200
+    seen = r.json()["headers"]
+    assert "e2b-traffic-access-token" not in seen
+    assert seen["host"] == ["masked:8080"]  # the sandbox's host mask, not the client's Host
 
 
 async def test_unreachable_upstream_is_502(env: Env) -> None:
@@ -695,8 +712,8 @@ async def test_stale_pooled_connection_is_retried() -> None:
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
 
-    async def resolver(sandbox_id: str, p: int) -> tuple[str, int]:
-        return "127.0.0.1", port
+    async def resolver(sandbox_id: str, p: int, token: str | None) -> Upstream:
+        return Upstream("127.0.0.1", port)
 
     async def control(scope: Any, receive: Any, send: Any) -> None:
         raise AssertionError("not routed")
@@ -735,8 +752,8 @@ async def raw_upstream_router(response: bytes) -> AsyncIterator[str]:
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
 
-    async def resolver(sandbox_id: str, p: int) -> tuple[str, int]:
-        return "127.0.0.1", port
+    async def resolver(sandbox_id: str, p: int, token: str | None) -> Upstream:
+        return Upstream("127.0.0.1", port)
 
     router = SandboxRouter(_no_control_app, resolver, [])
     try:

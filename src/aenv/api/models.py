@@ -54,9 +54,8 @@ class AutoResume(_Request):
     enabled: bool = False
 
 
-class NetworkConfig(_Request):
-    """`network` of a create request and the body of `PUT /sandboxes/{id}/network` (E2B's
-    SandboxNetworkConfig / SandboxNetworkUpdateConfig; egress part)."""
+class EgressRules(_Request):
+    """The egress part of E2B's SandboxNetworkConfig / SandboxNetworkUpdateConfig."""
 
     allow_out: list[str] | None = Field(default=None, alias="allowOut", max_length=1000)
     deny_out: list[str] | None = Field(default=None, alias="denyOut", max_length=1000)
@@ -82,7 +81,16 @@ class NetworkConfig(_Request):
             raise BadRequest(f"invalid network rule: {e}") from None
 
 
-class NetworkUpdate(NetworkConfig):
+class NetworkConfig(EgressRules):
+    """`network` of a create request."""
+
+    # False: the sandbox's own ports answer only requests with its traffic access token.
+    allow_public_traffic: bool | None = Field(default=None, alias="allowPublicTraffic")
+    # The Host header its ports see; `${PORT}` is replaced by the port.
+    mask_request_host: str | None = Field(default=None, alias="maskRequestHost", max_length=255)
+
+
+class NetworkUpdate(EgressRules):
     """Body of `PUT /sandboxes/{id}/network`: replaces the rules; omitted fields are cleared."""
 
     # snake_case on the wire, as E2B has it.
@@ -200,8 +208,7 @@ class Sandbox(_Response):
             envdVersion=record.envd_version,
             alias=record.alias,
             envdAccessToken=record.envd_access_token or None,
-            # The secure-traffic issue may add this attribute to the record.
-            trafficAccessToken=getattr(record, "traffic_access_token", None) or None,
+            trafficAccessToken=record.traffic_access_token or None,
             domain=None,
         )
 
@@ -261,16 +268,20 @@ class Lifecycle(_Response):
 class NetworkInfo(_Response):
     """The egress rules of a sandbox, as `GET /sandboxes/{id}` shows them."""
 
+    allow_public_traffic: bool = Field(alias="allowPublicTraffic")
     allow_out: list[str] = Field(alias="allowOut")
     deny_out: list[str] = Field(alias="denyOut")
     dns_servers: list[str] = Field(alias="dnsServers")
+    mask_request_host: str | None = Field(default=None, alias="maskRequestHost")
 
     @classmethod
-    def of(cls, egress: EgressPolicy) -> NetworkInfo:
+    def of(cls, r: SandboxRecord) -> NetworkInfo:
         return cls(
-            allowOut=list(egress.allow_out),
-            denyOut=list(egress.deny_out),
-            dnsServers=list(egress.dns_servers),
+            allowPublicTraffic=not r.traffic_access_token,
+            allowOut=list(r.egress.allow_out),
+            denyOut=list(r.egress.deny_out),
+            dnsServers=list(r.egress.dns_servers),
+            maskRequestHost=r.mask_request_host,
         )
 
 
@@ -291,7 +302,7 @@ class SandboxDetail(_SandboxInfo):
             **cls._common(record, state),
             envdAccessToken=record.envd_access_token or None,
             allowInternetAccess=record.egress.allow_internet,
-            network=NetworkInfo.of(record.egress),
+            network=NetworkInfo.of(record),
             domain=None,
             lifecycle=Lifecycle(
                 autoResume=record.auto_resume,

@@ -94,6 +94,8 @@ class Booter:
             auto_pause_memory=req.auto_pause_memory,
             auto_resume=req.auto_resume,
             egress=replace(req.egress),
+            traffic_access_token=traffic_token(req),
+            mask_request_host=req.mask_request_host,
             layers=list(template.layers if layers is None else layers),
             upper=str(self.storage.new_upper(sandbox_id)),
             boot=template.boot_info(),
@@ -309,6 +311,11 @@ class Booter:
         r.layers = new
         await self.table.save(r)
         log.info("sandbox %s: %d layers squashed into %s", r.sandbox_id, len(run), merged)
+
+
+def traffic_token(req: CreateRequest) -> str:
+    """A new sandbox's traffic access token: its own, whatever it was made from."""
+    return "" if req.public_traffic else secrets.token_urlsafe(24)
 
 
 def _is_empty(d: Path) -> bool:

@@ -22,7 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Settings
-from ..domain import ENVD_PORT, CreateRequest, EgressPolicy, SandboxRecord, TemplateRecord, Timings
+from ..domain import (
+    ENVD_PORT,
+    CreateRequest,
+    EgressPolicy,
+    SandboxRecord,
+    TemplateRecord,
+    Timings,
+    Upstream,
+)
 from ..errors import BadRequest
 from ..images.cache import holder
 from ..images.pull import PulledImage, pull
@@ -169,8 +177,10 @@ class Orchestrator:
     ) -> tuple[SandboxRecord, bool]:
         return await self._pauser.connect(sandbox_id, timeout, memory, timings)
 
-    async def resolve(self, sandbox_id: str, port: int) -> tuple[str, int]:
-        return await self._pauser.resolve(sandbox_id, port)
+    async def resolve(
+        self, sandbox_id: str, port: int, traffic_token: str | None = None
+    ) -> Upstream:
+        return await self._pauser.resolve(sandbox_id, port, traffic_token)
 
     # ------------------------------------------------------------------ snapshots, fork
     async def snapshot(

@@ -69,6 +69,8 @@ class Forker:
                 auto_resume=parent.auto_resume,
                 secure=bool(parent.envd_access_token),
                 egress=replace(parent.egress),
+                public_traffic=not parent.traffic_access_token,
+                mask_request_host=parent.mask_request_host,
             )
             with t.stage("children"):
                 # The children restore from the snapshot while the parent does (under its

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import secrets
 from dataclasses import dataclass
 from datetime import timedelta
 
 from ..domain import (
+    ENVD_PORT,
     LIVE_STATES,
     PausedState,
     PauseTier,
@@ -27,8 +29,9 @@ from ..domain import (
     TemplateKind,
     TemplateRecord,
     Timings,
+    Upstream,
 )
-from ..errors import Conflict, Gone, NotFound
+from ..errors import Conflict, Forbidden, Gone, NotFound
 from ..runtime.base import Runtime
 from .boot import Booter
 from .context import NodeContext, check_timeout
@@ -220,15 +223,30 @@ class Pauser:
             await self.table.save(r)
         return r, resumed
 
-    async def resolve(self, sandbox_id: str, port: int) -> tuple[str, int]:
-        """The address of a sandbox's port for the proxy, resuming it if it may be."""
+    async def resolve(
+        self, sandbox_id: str, port: int, traffic_token: str | None = None
+    ) -> Upstream:
+        """Where the proxy sends a request for a sandbox's port, resuming the sandbox if it
+        may be. A private sandbox's own ports want its traffic token (checked first: a
+        refused request wakes nothing)."""
         r = self.table.find(sandbox_id)
         if r is None or r.state not in LIVE_STATES:
             raise NotFound(f"sandbox {sandbox_id!r} not found")
+        presented = (traffic_token or "").encode()
+        if (
+            r.traffic_access_token
+            and port != ENVD_PORT
+            and not hmac.compare_digest(presented, r.traffic_access_token.encode())
+        ):
+            raise Forbidden(
+                f"sandbox {sandbox_id!r} is private: send its traffic access token in "
+                "the e2b-traffic-access-token header"
+            )
         if r.state is not SandboxState.RUNNING:
             if not r.auto_resume:
                 raise Gone(f"sandbox {sandbox_id!r} is paused")
             await self.connect(sandbox_id, max(300, self.ctx.settings.default_timeout))
         if r.address is None:
             raise NotFound(f"sandbox {sandbox_id!r} is not running")
-        return r.address, port
+        mask = r.mask_request_host
+        return Upstream(r.address, port, mask.replace("${PORT}", str(port)) if mask else None)

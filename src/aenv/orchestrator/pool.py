@@ -12,7 +12,7 @@ from datetime import timedelta
 
 from ..domain import CreateRequest, SandboxRecord, SandboxState, TemplateRecord, Timings
 from ..errors import AenvError
-from .boot import Booter
+from .boot import Booter, traffic_token
 from .bootsnaps import BootSnapshots
 from .context import NodeContext
 from .table import SandboxTable
@@ -57,6 +57,8 @@ class WarmPool:
         w.envd_access_token = secrets.token_urlsafe(24) if req.secure else ""
         w.auto_pause, w.auto_pause_memory = req.auto_pause, req.auto_pause_memory
         w.auto_resume, w.egress = req.auto_resume, replace(req.egress)
+        w.traffic_access_token = traffic_token(req)
+        w.mask_request_host = req.mask_request_host
         assert w.instance is not None
         try:
             if not w.egress.is_open:  # booted with none: in force before the user's first call

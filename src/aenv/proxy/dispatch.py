@@ -9,10 +9,14 @@ A request (HTTP or WebSocket) is data plane when
 2. its `Host` is `{port}-{sandboxID}.{domain}` for a configured domain (path unchanged).
 
 A `/proxy` path without a sandbox header is a 400; anything else (and lifespan) goes to the
-control app. The routing headers are removed before forwarding; hop-by-hop headers are the
-only others touched. `Host` is passed unchanged: an app in the sandbox sees the name the
-client used (`3000-<id>.<domain>`), as behind E2B's own edge, so the absolute URLs, redirects,
-cookies and host checks it makes are about the address the user reaches it by.
+control app. The routing headers and the traffic token are removed before forwarding;
+hop-by-hop headers are the only others touched. `Host` is passed unchanged unless the sandbox
+has a host mask: an app in the sandbox sees the name the client used (`3000-<id>.<domain>`),
+as behind E2B's own edge, so the absolute URLs, redirects, cookies and host checks it makes
+are about the address the user reaches it by.
+
+envd's internal routes are refused (403). The resolver gets the client's
+`e2b-traffic-access-token` and decides (a private sandbox's ports want it: 403 otherwise).
 
 Resolver errors keep their status and `{code, message}` body (NotFound 404, Gone 410, a failed
 auto-resume 502, a timed-out one 504...); an unreachable sandbox port is a 502 (the E2B SDK
@@ -27,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import quote
 
-from aenv.domain import ENVD_PORT
+from aenv.domain import ENVD_PORT, Upstream
 from aenv.errors import AenvError, BadRequest, Forbidden, GatewayTimeout, InternalError
 
 from ._common import (
@@ -50,7 +54,9 @@ DEFAULT_PORT = ENVD_PORT
 # envd routes only the node calls, refused from outside as E2B's proxy does: `/init` re-keys
 # a sandbox (token, environment, user), `/envs` and `/metrics` read its state.
 INTERNAL_ENVD_PATHS = frozenset({"/init", "/envs", "/metrics"})
-Resolver = Callable[[str, int], Awaitable[tuple[str, int]]]
+# (sandbox id, port, the client's traffic token or None) -> where to send the request.
+Resolver = Callable[[str, int, str | None], Awaitable[Upstream]]
+TRAFFIC_TOKEN_HEADER = b"e2b-traffic-access-token"
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 _MAX_LABEL = 63
@@ -74,6 +80,25 @@ def _port(raw: str) -> int:
     if not (raw.isascii() and raw.isdigit()) or not 0 < int(raw) < 65536:
         raise BadRequest(f"invalid sandbox port {raw[:16]!r}")
     return int(raw)
+
+
+def _traffic_token(scope: Scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == TRAFFIC_TOKEN_HEADER:
+            return str(value.decode("latin-1"))
+    return None
+
+
+def _forwarded_headers(
+    headers: list[tuple[bytes, bytes]], host_header: str | None
+) -> list[tuple[bytes, bytes]]:
+    """The client's headers without the routing ones and the traffic token (the sandbox's
+    app never sees it), the Host replaced by the sandbox's mask if it has one."""
+    out = [(n, v) for n, v in headers if n not in ROUTING_HEADERS and n != TRAFFIC_TOKEN_HEADER]
+    if host_header is not None:
+        out = [(n, v) for n, v in out if n != b"host"]
+        out.insert(0, (b"host", host_header.encode("latin-1")))
+    return out
 
 
 def _internal(path: str, strip_proxy_prefix: bool) -> bool:
@@ -194,7 +219,7 @@ class SandboxRouter:
             await self._error(scope, send, err.status, err.to_json())
             return
         try:
-            host, port = await self.resolver(route.sandbox_id, route.port)
+            upstream = await self.resolver(route.sandbox_id, route.port, _traffic_token(scope))
         except AenvError as exc:
             log.debug("proxy: %s:%s: %s", route.sandbox_id, route.port, exc.message)
             await self._error(scope, send, exc.status, exc.to_json())
@@ -217,11 +242,11 @@ class SandboxRouter:
         target = Target(
             sandbox_id=route.sandbox_id,
             sandbox_port=route.port,
-            host=host,
-            port=port,
+            host=upstream.host,
+            port=upstream.port,
             raw_path=raw_path,
             query=scope.get("query_string", b""),
-            headers=[(n, v) for n, v in scope["headers"] if n not in ROUTING_HEADERS],
+            headers=_forwarded_headers(scope["headers"], upstream.host_header),
         )
         if scope["type"] == "http":
             await self.http.forward(scope, receive, send, target)

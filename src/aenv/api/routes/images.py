@@ -83,6 +83,7 @@ async def create_cold(
     images: Images = Depends(get_images),
 ) -> Sandbox:
     check_timeout(body.timeout, settings)
+    network = body.network or NetworkConfig()
     req = CreateRequest(
         timeout=body.timeout,
         metadata=dict(body.metadata or {}),
@@ -92,7 +93,9 @@ async def create_cold(
         auto_pause=bool(body.auto_pause),
         auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
         secure=body.secure is not False,
-        egress=(body.network or NetworkConfig()).policy(body.allow_internet_access),
+        egress=network.policy(body.allow_internet_access),
+        public_traffic=network.allow_public_traffic is not False,
+        mask_request_host=network.mask_request_host or None,
     )
     timings = Timings()
     record = await images.cold_start(

@@ -93,6 +93,7 @@ async def _create(
 ) -> Sandbox:
     check_timeout(body.timeout, settings)
     key = validate_key(key)
+    network = body.network or NetworkConfig()
     req = CreateRequest(
         template_id=body.template_id,
         timeout=body.timeout,
@@ -104,7 +105,9 @@ async def _create(
         auto_pause_memory=body.auto_pause_memory is not False,
         auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
         secure=secure,
-        egress=(body.network or NetworkConfig()).policy(body.allow_internet_access),
+        egress=network.policy(body.allow_internet_access),
+        public_traffic=network.allow_public_traffic is not False,
+        mask_request_host=network.mask_request_host or None,
     )
 
     async def create() -> tuple[Sandbox, str]:
