@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import shutil
-import subprocess
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -28,6 +25,7 @@ from aenv.runtime.base import Instance
 from aenv.runtime.gvisor import GVisorRuntime
 from aenv.runtime.network import SlotAddressing
 
+from .fake_internet import NET_HOST, PORT, A, B, fake_internet
 from .test_runtime_gvisor import (
     assert_no_traces,
     host_nc,
@@ -53,57 +51,12 @@ pytestmark = [
 __all__ = ["host_servers"]  # a fixture used here, imported for pytest to find
 
 PREFIX, CIDR = "aetse", "10.214.0.0/16"
-NET_HOST, NET_PEER, TARGETS = "192.0.2.1", "192.0.2.2", "203.0.113.0/24"
-A, B, PORT = "203.0.113.10", "203.0.113.20", 8080
-
-LISTENER = """
-import socket, threading
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", 8080)); s.listen(64)
-def serve(c):
-    try:
-        c.settimeout(2); c.recv(1024)
-        body = ("ext " + c.getsockname()[0] + "\\n").encode()
-        c.sendall(b"HTTP/1.0 200 OK\\r\\nContent-Length: %d\\r\\n\\r\\n" % len(body) + body)
-    finally:
-        c.close()
-while True:
-    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
-"""
 
 
 @pytest.fixture(scope="module")
 def internet() -> Iterator[None]:
-    """The fake internet; names unique per run, every part removed by name at the end."""
-    tok = secrets.token_hex(3)
-    ns, veth = f"aeegx-{tok}", f"aeegx{tok}"
-    setup = f"""set -e
-ip netns add {ns}
-ip link add {veth} type veth peer name eth0 netns {ns}
-ip addr add {NET_HOST}/30 dev {veth}; ip link set {veth} up
-ip -n {ns} addr add {NET_PEER}/30 dev eth0; ip -n {ns} link set eth0 up
-ip -n {ns} link set lo up
-ip -n {ns} addr add {A}/32 dev lo; ip -n {ns} addr add {B}/32 dev lo
-ip route add {TARGETS} via {NET_PEER} dev {veth}
-"""
-    proc = None
-    try:
-        subprocess.run(["sh", "-c", setup], check=True)
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, "python3", "-c", LISTENER], stdin=subprocess.DEVNULL
-        )
-        deadline = time.monotonic() + 10
-        while not all(b"ext " in host_nc(ip, PORT) for ip in (A, B)):
-            assert time.monotonic() < deadline, "the fake internet does not answer"
-            time.sleep(0.05)
+    with fake_internet():
         yield
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-        subprocess.run(["ip", "route", "del", TARGETS, "dev", veth], capture_output=True)
-        subprocess.run(["ip", "link", "del", veth], capture_output=True)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 @pytest.fixture(scope="module")
