@@ -949,3 +949,28 @@ async def test_update_network_replaces_rules_and_shows_them(
     assert_error(
         await client.put(f"/sandboxes/{sbx.sandbox_id}/network", json={"allowOut": "x"}), 400
     )
+
+
+async def test_oversized_bodies_are_refused(
+    client: httpx.AsyncClient, orch: FakeOrchestrator
+) -> None:
+    big = {"templateID": "base", "metadata": {"k": "x" * (2 << 20)}}
+    assert_error(await client.post("/v2/sandboxes", json=big), 413)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"templateID": "base", "metadata": {"k": "'
+        for _ in range(20):
+            yield b"x" * (128 << 10)
+        yield b'"}}'
+
+    assert_error(await client.post("/v2/sandboxes", content=chunks()), 413)
+
+    async def small() -> AsyncIterator[bytes]:
+        yield b'{"templateID":'
+        yield b' "base"}'
+
+    r = await client.post(
+        "/v2/sandboxes", content=small(), headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 201, r.text
+    assert orch.requests[-1].template_id == "base" and len(orch.requests) == 1

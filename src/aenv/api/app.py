@@ -20,6 +20,7 @@ from aenv.proxy.dispatch import SandboxRouter
 
 from .errors import install_error_handlers
 from .idempotency import IdempotencyCache
+from .limits import BodyLimit
 from .routes import builds, health, images, sandboxes, snapshots
 
 
@@ -46,6 +47,8 @@ def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAP
     app.state.orchestrator = orchestrator
     app.state.idempotency = IdempotencyCache()
     install_error_handlers(app)
+    # Build contexts stream to disk with their own bound; every other body is small JSON.
+    app.add_middleware(BodyLimit, exempt=lambda path: path.startswith("/build-files/"))
     app.include_router(health.router)
     app.include_router(sandboxes.router)
     builds.attach(app)  # template builds; before snapshots (its /templates/{id:path})
