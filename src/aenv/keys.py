@@ -145,7 +145,7 @@ class KeyStore:
         except (ValueError, KeyError, TypeError) as exc:
             raise InternalError(f"{self.path} is not a valid key file: {exc}") from None
 
-    def keys(self) -> tuple[ApiKey, ...]:
+    def entries(self) -> tuple[ApiKey, ...]:
         """The stored keys, re-read only when the file changed since the last call."""
         sig = self._signature()
         if self._cached is not None and self._cached[0] == sig:
@@ -164,7 +164,7 @@ class KeyStore:
         """The stored key equal to `key`, or None. Every stored hash is compared (in
         constant time), so the time taken says nothing about which key, if any, matched."""
         found: ApiKey | None = None
-        for entry in self.keys():
+        for entry in self.entries():
             if entry.matches(key) and found is None:
                 found = entry
         return found
