@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from aenv.errors import AenvError
 from aenv.keys import KeyStore
 from aenv.server import check_tls
 from tests.helpers import uvicorn_thread
-from tests.tls import self_signed
+from tests.tls import make_certs
 from tests.unit.test_api import FakeOrchestrator
 
 FIXED_KEY = "e2b_fixed_key_of_the_tls_server"
@@ -138,13 +140,12 @@ def test_tls_settings(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_tls_files_are_checked_at_start(home: Path) -> None:
-    cert, key = self_signed(home / "a", "a")
-    other_cert, other_key = self_signed(home / "b", "b")
-    check_tls(Settings(tls_cert=cert, tls_key=key))
+    a, b = make_certs(home / "a", "a"), make_certs(home / "b", "b")
+    check_tls(Settings(tls_cert=a.cert, tls_key=a.key))
     with pytest.raises(AenvError, match="AENV_TLS_CERT=.*missing"):
-        check_tls(Settings(tls_cert=home / "missing.pem", tls_key=key))
+        check_tls(Settings(tls_cert=home / "missing.pem", tls_key=a.key))
     with pytest.raises(AenvError, match="cannot use"):
-        check_tls(Settings(tls_cert=cert, tls_key=other_key))
+        check_tls(Settings(tls_cert=a.cert, tls_key=b.key))
 
 
 def test_server_refuses_half_a_tls_config(cli: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -161,7 +162,8 @@ def test_server_refuses_half_a_tls_config(cli: CliRunner, monkeypatch: pytest.Mo
 @pytest.fixture
 def https_node(home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A control plane (fake orchestrator) on HTTPS, and the CLI's environment on its host."""
-    cert, key = self_signed(home / "tls")
+    tls = make_certs(home / "tls")
+    cert, key = tls.cert, tls.key
     settings = Settings(home=home, api_key=FIXED_KEY, tls_cert=cert, tls_key=key)
     control = create_app(settings, FakeOrchestrator())  # type: ignore[arg-type]
     with uvicorn_thread(control, ssl_certfile=str(cert), ssl_keyfile=str(key)) as url:
@@ -185,12 +187,12 @@ def test_cli_talks_https_and_trusts_its_node(cli: CliRunner, https_node: str) ->
 def test_cli_tls_verify_setting(
     cli: CliRunner, https_node: str, home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    stranger, _ = self_signed(home / "stranger", "stranger")
+    stranger = make_certs(home / "stranger", "stranger").ca
     monkeypatch.setenv("AENV_TLS_VERIFY", str(stranger))
     res = cli.invoke(app, ["ls"])
     assert res.exit_code == 1
     assert "CERTIFICATE_VERIFY_FAILED" in _error_line(res.stderr)
-    monkeypatch.setenv("AENV_TLS_VERIFY", str(home / "tls" / "aenv-test.crt"))
+    monkeypatch.setenv("AENV_TLS_VERIFY", str(home / "tls" / "aenv-test-ca.crt"))
     assert cli.invoke(app, ["ls"]).exit_code == 0
     monkeypatch.setenv("AENV_TLS_VERIFY", str(home / "nope.pem"))
     res = cli.invoke(app, ["ls"])
@@ -203,3 +205,35 @@ def test_cli_tls_verify_setting(
     assert res.exit_code == 1 and "CERTIFICATE_VERIFY_FAILED" in _error_line(res.stderr)
     monkeypatch.setenv("AENV_TLS_VERIFY", "false")
     assert cli.invoke(app, ["--url", https_node, "ls"]).exit_code == 0
+
+
+_SDK_LIST = """
+import sys
+from e2b import Sandbox
+from e2b.exceptions import AuthenticationException
+try:
+    print(len(Sandbox.list().next_items()))
+except AuthenticationException:
+    print("401")
+"""
+
+
+def _sdk_list(url: str, key: str, ca: Path) -> str:
+    """The stock E2B SDK, in its own process (its transports read the CA set once)."""
+    env = dict(os.environ, E2B_API_URL=url, E2B_API_KEY=key, SSL_CERT_FILE=str(ca))
+    env.pop("AENV_API_KEY", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _SDK_LIST], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_stock_sdk_over_https_with_a_created_key(
+    cli: CliRunner, https_node: str, home: Path
+) -> None:
+    key = cli.invoke(app, ["keys", "create", "sdk"]).stdout.strip()
+    ca = home / "tls" / "aenv-test-ca.crt"
+    assert _sdk_list(https_node, key, ca) == "0"
+    assert cli.invoke(app, ["keys", "rm", "sdk", "--force"]).exit_code == 0
+    assert _sdk_list(https_node, key, ca) == "401"  # the same server process
