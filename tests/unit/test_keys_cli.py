@@ -99,7 +99,7 @@ def test_disk_errors_are_one_line(cli: CliRunner, home: Path) -> None:
     # Stands for what a non-root user meets on a root-owned node (and works as root too).
     (home / "secrets").write_text("not a directory")
     res = cli.invoke(app, ["keys", "create", "ci"])
-    assert res.exit_code == 1 and "cannot update" in _error_line(res.stderr)
+    assert res.exit_code == 1 and "cannot use" in _error_line(res.stderr)
 
 
 def test_the_legacy_key_is_listed_as_default(cli: CliRunner, home: Path) -> None:

@@ -30,7 +30,7 @@ def _on_disk(store: KeyStore) -> Iterator[None]:
         yield
     except OSError as exc:
         where = exc.filename or store.path
-        raise CliError(f"cannot update {where}: {exc.strerror or exc}") from None
+        raise CliError(f"cannot use {where}: {exc.strerror or exc}") from None
 
 
 def keys_create(ctx: typer.Context, name: NameArg) -> None:
