@@ -146,7 +146,15 @@ class Settings(BaseSettings):
 
     home: Path = Path("/var/lib/aenv")
     listen: str = "127.0.0.1:8000"
+    # A key that always authenticates, besides the named keys of `aenv keys`.
     api_key: str | None = None
+    # Both set: the listener serves HTTPS with this certificate (PEM, may hold the chain)
+    # and private key.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    # For the CLI: `true` (system CAs, plus this node's AENV_TLS_CERT when readable, so a
+    # self-signed node needs no set-up on its own host), `false`, or a CA bundle's path.
+    tls_verify: str = "true"
     # Extra domains for Host-based routing: `{port}-{sandboxID}.{domain}`.
     domains: list[str] = Field(default_factory=lambda: ["localhost"])
     config_file: Path | None = None
@@ -217,7 +225,27 @@ class Settings(BaseSettings):
 
     @property
     def url(self) -> str:
-        return f"http://{self.listen}"
+        return f"{self.scheme}://{self.listen}"
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert else "http"
+
+    @field_validator("tls_cert", "tls_key", mode="before")
+    @classmethod
+    def _unset_if_empty(cls, value: Any) -> Any:
+        # `AENV_TLS_CERT=` (empty) means unset, not the current directory.
+        return None if value == "" else value
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError(
+                "AENV_TLS_CERT and AENV_TLS_KEY must be set together (got only "
+                + ("AENV_TLS_CERT" if self.tls_cert else "AENV_TLS_KEY")
+                + ")"
+            )
+        return self
 
     # Layout of $AENV_HOME, in one place.
     @property
@@ -264,19 +292,29 @@ class Settings(BaseSettings):
     def secrets_dir(self) -> Path:
         return self.home / "secrets"
 
+    @property
+    def api_keys_file(self) -> Path:
+        """The named API keys, hashed (`aenv keys`, `aenv.keys`)."""
+        return self.secrets_dir / "api-keys.json"
+
+    @property
+    def api_key_file(self) -> Path:
+        """The `default` key in plain text, for the CLI on the node host."""
+        return self.secrets_dir / "api-key"
+
     @cached_property
-    def effective_api_key(self) -> str:
-        """AENV_API_KEY, else the key stored under $AENV_HOME, generated once."""
-        if self.api_key:
-            return self.api_key
-        path = self.secrets_dir / "api-key"
+    def upload_secret(self) -> str:
+        """Signs the build-file upload URLs; its own secret, so that no API key's
+        revocation (or AENV_API_KEY's change) bears on uploads, generated once."""
+        path = self.secrets_dir / "upload-key"
         if path.exists():
             return path.read_text().strip()
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        key = "e2b_" + secrets.token_hex(20)
-        path.write_text(key + "\n")
-        path.chmod(0o600)
-        return key
+        secret = secrets.token_hex(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret + "\n")
+        return secret
 
 
 class _EnvSource(EnvSettingsSource):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import ssl
 import sys
 
 import uvicorn
 
 from .config import Settings
+from .errors import AenvError
 from .orchestrator import Orchestrator
 from .orchestrator.catalog import Catalog
 from .orchestrator.durable import Durable
@@ -38,6 +40,22 @@ def build_orchestrator(settings: Settings) -> Orchestrator:
     return Orchestrator(settings, catalog, runtime, storage=storage, bundle=bundle, durable=durable)
 
 
+def check_tls(settings: Settings) -> None:
+    """Loads the certificate and key once now, so a wrong path or a key that does not fit
+    the certificate is one clear line at start-up, not a traceback from uvicorn."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+            settings.tls_cert, settings.tls_key
+        )
+    except (OSError, ssl.SSLError) as exc:
+        raise AenvError(
+            f"cannot use AENV_TLS_CERT={settings.tls_cert} with AENV_TLS_KEY={settings.tls_key}: "
+            f"{getattr(exc, 'strerror', None) or exc}"
+        ) from None
+
+
 def serve(settings: Settings) -> None:
     from .api.app import create_app
 
@@ -48,11 +66,7 @@ def serve(settings: Settings) -> None:
     )
     # Every envd health probe would be an INFO line.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    key_file = settings.secrets_dir / "api-key"
-    fresh_key = not settings.api_key and not key_file.exists()
-    key = settings.effective_api_key
-    if fresh_key:
-        print(f"aenv: generated API key (stored in {key_file}):\n  {key}", file=sys.stderr)
+    check_tls(settings)
     orch = build_orchestrator(settings)
     app = create_app(settings, orch)
     config = uvicorn.Config(
@@ -66,6 +80,8 @@ def serve(settings: Settings) -> None:
         # The proxy passes the sandbox's own headers through; uvicorn must not add a second set.
         server_header=False,
         date_header=False,
+        ssl_certfile=settings.tls_cert,
+        ssl_keyfile=settings.tls_key,
     )
     print(f"aenv: serving on {settings.url} (home {settings.home})", file=sys.stderr)
     uvicorn.Server(config).run()

@@ -100,8 +100,9 @@ def running_server(prefix: str, cidr: str, **extra: str) -> Iterator[Server]:
         AENV_NET_POOL_SIZE="2",
     )
     env.update(extra)
+    scheme = "https" if env.get("AENV_TLS_CERT") else "http"
     srv = Server(
-        url=f"http://127.0.0.1:{port}",
+        url=f"{scheme}://127.0.0.1:{port}",
         api_key=env["AENV_API_KEY"],
         home=home,
         env=env,

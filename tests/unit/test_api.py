@@ -221,7 +221,10 @@ async def test_sandbox_headers_go_to_the_data_plane(client: httpx.AsyncClient) -
     [
         [],
         [("X-API-Key", "wrong-key")],
-        [("Authorization", f"Bearer {API_KEY}")],
+        [("Authorization", "Bearer wrong-key")],
+        [("Authorization", f"Basic {API_KEY}")],
+        [("X-API-Key", API_KEY), ("Authorization", f"Bearer {API_KEY}")],
+        [("Authorization", f"Bearer {API_KEY}"), ("Authorization", f"Bearer {API_KEY}")],
         [("X-Admin-Token", API_KEY)],
         [("X-Team-ID", API_KEY)],
         [("X-API-Key", API_KEY), ("X-API-Key", API_KEY)],
@@ -233,7 +236,10 @@ async def test_sandbox_headers_go_to_the_data_plane(client: httpx.AsyncClient) -
     ids=[
         "none",
         "wrong",
-        "bearer",
+        "bearer-wrong",
+        "basic",
+        "both-headers",
+        "dup-bearer",
         "admin-token",
         "team-id",
         "dup-valid",

@@ -7,6 +7,7 @@ everything else to the control app built by `create_control_app`.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,6 +16,7 @@ from starlette.types import ASGIApp
 
 from aenv import __version__
 from aenv.config import Settings
+from aenv.keys import KeyStore
 from aenv.orchestrator import Orchestrator
 from aenv.proxy.dispatch import SandboxRouter
 
@@ -29,7 +31,12 @@ def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAP
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        settings.effective_api_key  # noqa: B018 (generate/read the key now, not on a request)
+        fresh = app.state.api_keys.bootstrap(generate=not settings.api_key)
+        if fresh:
+            print(
+                f"aenv: generated API key 'default' (also in {settings.api_key_file}):\n  {fresh}",
+                file=sys.stderr,
+            )
         await orchestrator.start()
         try:
             yield
@@ -46,6 +53,7 @@ def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAP
     app.state.settings = settings
     app.state.orchestrator = orchestrator
     app.state.idempotency = IdempotencyCache()
+    app.state.api_keys = KeyStore.of(settings)
     install_error_handlers(app)
     # Build contexts stream to disk with their own bound; every other body is small JSON.
     app.add_middleware(BodyLimit, exempt=lambda path: path.startswith("/build-files/"))

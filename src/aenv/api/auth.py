@@ -1,9 +1,13 @@
-"""Control-plane authentication: exactly one `X-API-Key` header equal to the node's key.
+"""Control-plane authentication: one API key, sent as `X-API-Key: KEY` or
+`Authorization: Bearer KEY`, that is one of the node's named keys (`aenv.keys`) or
+AENV_API_KEY.
 
 Applied as a router dependency (not a middleware), so the data plane, `/health` and the
-OpenAPI document are not affected. Nothing else authenticates: `Authorization: Bearer`,
-`X-Admin-Token`, `X-Team-ID` and the sandboxes' envd/traffic tokens all get 401, and so does a
-request carrying the header twice, whatever the values (AgentENV suite 08_auth).
+OpenAPI document are not affected. Exactly one credential must be sent: the header twice, or
+both headers, get 401 whatever the values, so no proxy or client can smuggle a second key
+past a first (AgentENV suite 08_auth). `X-Admin-Token`, `X-Team-ID` and the sandboxes'
+envd/traffic tokens authenticate nothing; an `Authorization` header of another scheme is not
+ours (a proxy's) and is ignored.
 """
 
 from __future__ import annotations
@@ -11,23 +15,39 @@ from __future__ import annotations
 import hmac
 
 from fastapi import Request
+from starlette.datastructures import Headers
 
 from aenv.config import Settings
 from aenv.errors import Unauthorized
+from aenv.keys import KeyStore
 
 API_KEY_HEADER = "x-api-key"
 
 
-def check_api_key(values: list[str], expected: str) -> None:
-    """Raises Unauthorized unless `values` (every X-API-Key header sent) is exactly [expected]."""
+def presented_key(headers: Headers) -> str:
+    """The one key the request carries; Unauthorized when none or more than one."""
+    values = [v.strip() for v in headers.getlist(API_KEY_HEADER)]
+    for auth in headers.getlist("authorization"):
+        scheme, _, token = auth.strip().partition(" ")
+        if scheme.lower() == "bearer":
+            values.append(token.strip())
     if not values:
-        raise Unauthorized("missing X-API-Key header")
+        raise Unauthorized("missing API key: send X-API-Key or Authorization: Bearer")
     if len(values) > 1:
-        raise Unauthorized("X-API-Key header sent more than once")
-    if not hmac.compare_digest(values[0].strip().encode(), expected.encode()):
-        raise Unauthorized("invalid API key")
+        raise Unauthorized("API key sent more than once (X-API-Key / Authorization)")
+    return values[0]
+
+
+def check_api_key(key: str, store: KeyStore, fixed: str | None) -> None:
+    """Raises Unauthorized unless `key` is a stored key or `fixed` (AENV_API_KEY)."""
+    # Both checks always run, so timing does not tell a stored key from the fixed one.
+    stored = store.verify(key) is not None
+    is_fixed = fixed is not None and hmac.compare_digest(key.encode(), fixed.encode())
+    if not key or not (stored or is_fixed):
+        raise Unauthorized("Invalid API key")
 
 
 async def require_api_key(request: Request) -> None:
     settings: Settings = request.app.state.settings
-    check_api_key(request.headers.getlist(API_KEY_HEADER), settings.effective_api_key)
+    store: KeyStore = request.app.state.api_keys
+    check_api_key(presented_key(request.headers), store, settings.api_key)

@@ -56,7 +56,7 @@ class Builder:
         self.orch = orchestrator
         self.images = images or Images(settings, orchestrator)
         self.store = BuildStore(settings.home / "builds.db")
-        self.files = BuildFiles(settings.home / "build-files", settings.effective_api_key)
+        self.files = BuildFiles(settings.home / "build-files", settings.upload_secret)
         self.ready_timeout = ready_timeout
         self._active: dict[str, ActiveBuild] = {}
         self._sem = asyncio.Semaphore(max(1, concurrency))

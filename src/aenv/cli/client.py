@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ssl
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -54,6 +55,7 @@ class ControlPlane:
         timeout: float = 60.0,
         key_hint: str | None = None,
         transport: httpx.BaseTransport | None = None,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
         self.url = url.rstrip("/")
         self._key_hint = key_hint
@@ -61,7 +63,7 @@ class ControlPlane:
         if api_key:
             headers["X-API-KEY"] = api_key
         self._http = httpx.Client(
-            base_url=self.url, headers=headers, timeout=timeout, transport=transport
+            base_url=self.url, headers=headers, timeout=timeout, transport=transport, verify=verify
         )
 
     def close(self) -> None:

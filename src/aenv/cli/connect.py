@@ -8,6 +8,7 @@ is `aenv.envd_wire`'s.
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,11 +62,17 @@ class EnvdClient:
         user: str | None = None,
         timeout: float = 60.0,
         transport: httpx.BaseTransport | None = None,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
         self.url = url.rstrip("/")
         self.sandbox_id = sandbox_id
         self._args = (url, sandbox_id, access_token)
-        self._kwargs: dict[str, Any] = {"user": user, "timeout": timeout, "transport": transport}
+        self._kwargs: dict[str, Any] = {
+            "user": user,
+            "timeout": timeout,
+            "transport": transport,
+            "verify": verify,
+        }
         headers = {
             "User-Agent": USER_AGENT,
             **route_headers(sandbox_id),
@@ -73,7 +80,7 @@ class EnvdClient:
         }
         self._timeout = timeout
         self._http = httpx.Client(
-            base_url=self.url, headers=headers, timeout=timeout, transport=transport
+            base_url=self.url, headers=headers, timeout=timeout, transport=transport, verify=verify
         )
 
     def clone(self) -> EnvdClient:

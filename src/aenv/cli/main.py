@@ -15,7 +15,7 @@ from typer.core import TyperGroup
 
 from .. import __version__
 from ..errors import AenvError
-from . import sandboxes, snapshots, templates
+from . import keys, sandboxes, snapshots, templates
 from .bench import bench
 from .errors import CliError, one_line
 from .state import CliState, state_of
@@ -54,6 +54,9 @@ template_app = typer.Typer(help="Manage templates.", no_args_is_help=True)
 snapshot_app = typer.Typer(
     help="Snapshots: templates made from running sandboxes.", no_args_is_help=True
 )
+keys_app = typer.Typer(
+    help="API keys of this node (run on the node host; no server needed).", no_args_is_help=True
+)
 
 
 def _version(value: bool) -> None:
@@ -70,7 +73,10 @@ def main(
         typer.Option(
             "--url",
             envvar="AENV_URL",
-            help="Server URL (default: http://$AENV_LISTEN, i.e. http://127.0.0.1:8000).",
+            help=(
+                "Server URL (default: http://$AENV_LISTEN, i.e. http://127.0.0.1:8000; https "
+                "when AENV_TLS_CERT is set; AENV_TLS_VERIFY=false|CA-FILE for its certificate)."
+            ),
         ),
     ] = None,
     api_key: Annotated[
@@ -133,6 +139,11 @@ template_app.command("rm")(templates.template_rm)
 app.add_typer(snapshot_app, name="snapshot")
 snapshot_app.command("create")(snapshots.snapshot_create)
 snapshot_app.command("ls")(snapshots.snapshot_ls)
+
+app.add_typer(keys_app, name="keys")
+keys_app.command("create")(keys.keys_create)
+keys_app.command("ls")(keys.keys_ls)
+keys_app.command("rm")(keys.keys_rm)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,6 +3,7 @@ and the node's settings (`CliState`, on the root typer context)."""
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,6 +13,7 @@ import typer
 from .client import ControlPlane
 from .connect import EnvdClient
 from .errors import CliError
+from .tls import verify_option
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -41,10 +43,14 @@ class CliState:
         host, _, port = listen.rpartition(":")
         if host in ("", "0.0.0.0", "::", "[::]"):
             host = "127.0.0.1"
-        return f"http://{host}:{port}"
+        return f"{self.settings().scheme}://{host}:{port}"
 
     def key_file(self) -> Path:
-        return self.settings().secrets_dir / "api-key"
+        return self.settings().api_key_file
+
+    def verify(self) -> ssl.SSLContext | bool:
+        settings = self.settings()
+        return verify_option(settings.tls_verify, settings.tls_cert)
 
     def api_key(self) -> tuple[str | None, str]:
         """(key or None, a hint for a 401). Never creates a key (the server does)."""
@@ -65,10 +71,10 @@ class CliState:
 
     def control(self) -> ControlPlane:
         key, hint = self.api_key()
-        return ControlPlane(self.url, key, key_hint=hint)
+        return ControlPlane(self.url, key, key_hint=hint, verify=self.verify())
 
     def envd(self, sandbox_id: str, token: str | None, user: str | None = None) -> EnvdClient:
-        return EnvdClient(self.url, sandbox_id, token, user=user)
+        return EnvdClient(self.url, sandbox_id, token, user=user, verify=self.verify())
 
 
 def state_of(ctx: typer.Context) -> CliState:
