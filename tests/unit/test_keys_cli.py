@@ -87,6 +87,14 @@ def test_rm_and_its_errors(cli: CliRunner) -> None:
     assert json.loads(cli.invoke(app, ["keys", "ls", "-o", "json"]).stdout) == []
 
 
+def test_last_key_goes_without_force_when_aenv_api_key_is_set(
+    cli: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cli.invoke(app, ["keys", "create", "only"])
+    monkeypatch.setenv("AENV_API_KEY", "e2b_" + "1" * 40)  # the control plane stays open
+    assert cli.invoke(app, ["keys", "rm", "only"]).exit_code == 0
+
+
 def test_create_errors_are_one_line(cli: CliRunner, home: Path) -> None:
     cli.invoke(app, ["keys", "create", "ci"])
     res = cli.invoke(app, ["keys", "create", "ci"])

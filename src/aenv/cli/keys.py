@@ -75,7 +75,9 @@ def keys_rm(
 
     Example: aenv keys rm ci
     """
-    store = _store(ctx)
+    settings = state_of(ctx).settings()
+    store = KeyStore.of(settings)
     with _on_disk(store):
-        entry: ApiKey = store.remove(name, allow_last=force)
+        # With AENV_API_KEY the control plane stays open without any stored key.
+        entry: ApiKey = store.remove(name, allow_last=force or bool(settings.api_key))
     note(f"revoked API key {entry.name!r} ({entry.prefix}…)")
