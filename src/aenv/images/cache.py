@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -74,6 +75,9 @@ class LayerCache:
         self.store = store
         self.db_path = db_path or store.root / "refs.db"
         self._ready = False
+        # Switching a new database to WAL wants it to itself and does not wait for a busy
+        # one: two threads opening it first at once made one fail with "database is locked".
+        self._init = threading.Lock()
 
     @contextlib.contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
@@ -81,9 +85,11 @@ class LayerCache:
         conn = sqlite3.connect(self.db_path, timeout=60, isolation_level=None)
         try:
             if not self._ready:
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.executescript(_SCHEMA)
-                self._ready = True
+                with self._init:
+                    if not self._ready:
+                        conn.execute("PRAGMA journal_mode=WAL")
+                        conn.executescript(_SCHEMA)
+                        self._ready = True
             yield conn
         finally:
             conn.close()
