@@ -27,15 +27,14 @@ from aenv.runtime.network import SlotAddressing
 
 from .fake_internet import NET_HOST, PORT, A, B, fake_internet
 from .test_runtime_gvisor import (
-    assert_no_traces,
     host_nc,
     host_servers,
     make_rootfs,
-    make_settings,
     probe,
     rec,
     sh,
     spec,
+    started_runtime,
     wait_http,
 )
 
@@ -68,14 +67,8 @@ def rootfs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def runtime(
     tmp_path_factory: pytest.TempPathFactory, internet: None
 ) -> AsyncIterator[GVisorRuntime]:
-    settings = make_settings(tmp_path_factory.mktemp("egress-home"), PREFIX, CIDR)
-    rt = GVisorRuntime(settings)
-    try:
-        await rt.start(set())
+    async with started_runtime(tmp_path_factory.mktemp("egress-home"), PREFIX, CIDR) as rt:
         yield rt
-    finally:
-        await GVisorRuntime(settings).purge()
-        assert_no_traces(settings)
 
 
 async def reach(inst: Instance) -> dict[str, bool]:

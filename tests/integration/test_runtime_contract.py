@@ -22,6 +22,7 @@ from .test_runtime_gvisor import (
     crash,
     make_rootfs,
     make_settings,
+    started_runtime,
     wait_http,
 )
 
@@ -50,14 +51,8 @@ def specs(rootfs: Path, tmp_path: Path) -> Specs:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def runtime(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GVisorRuntime]:
-    settings = make_settings(tmp_path_factory.mktemp("contract-home"), PREFIX, CIDR)
-    rt = GVisorRuntime(settings)
-    try:
-        await rt.start(set())
+    async with started_runtime(tmp_path_factory.mktemp("contract-home"), PREFIX, CIDR) as rt:
         yield rt
-    finally:
-        await GVisorRuntime(settings).purge()
-        assert_no_traces(settings)
 
 
 class GVisorRuntimes:

@@ -185,21 +185,28 @@ def make_settings(home: Path, prefix: str, cidr: str, pool: int = 2) -> Settings
     return Settings(home=home, net_prefix=prefix, net_cidr=cidr, net_pool_size=pool)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def runtime(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GVisorRuntime]:
-    settings = make_settings(tmp_path_factory.mktemp("aenv-home"), PREFIX, CIDR)
+@contextlib.asynccontextmanager
+async def started_runtime(home: Path, prefix: str, cidr: str) -> AsyncIterator[GVisorRuntime]:
+    """A started runtime with a prefix of its own; all it made is purged, and checked gone."""
+    settings = make_settings(home, prefix, cidr)
     rt = GVisorRuntime(settings)
     try:
         await rt.start(set())
         yield rt
     finally:
         await GVisorRuntime(settings).purge()
-        if TIMINGS:
-            print("\n\ngVisor runtime timings (ms):")
-            for name, values in TIMINGS.items():
-                vals = ", ".join(f"{v:.0f}" for v in values)
-                print(f"  {name:<28} median {sorted(values)[len(values) // 2]:7.1f}   [{vals}]")
         assert_no_traces(settings)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def runtime(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GVisorRuntime]:
+    async with started_runtime(tmp_path_factory.mktemp("aenv-home"), PREFIX, CIDR) as rt:
+        yield rt
+    if TIMINGS:
+        print("\n\ngVisor runtime timings (ms):")
+        for name, values in TIMINGS.items():
+            vals = ", ".join(f"{v:.0f}" for v in values)
+            print(f"  {name:<28} median {sorted(values)[len(values) // 2]:7.1f}   [{vals}]")
 
 
 # Talking to sandboxes -------------------------------------------------------------------------
