@@ -655,7 +655,12 @@ async def test_list_v2_filters(client: httpx.AsyncClient, orch: FakeOrchestrator
     # The SDK's encoding: urlencode({quote(k): quote(v)}).
     sdk = urlencode({quote(k): quote(v) for k, v in {"team": "alpha", "x": "a b&c=d"}.items()})
     assert await ids(metadata=sdk) == [a.sandbox_id]
-    assert await ids(startedAfter=b.started_at.isoformat()) == [c.sandbox_id]
+    assert await ids(startedAfter=b.started_at.isoformat(), order="asc") == [
+        b.sandbox_id,
+        c.sandbox_id,
+    ]
+    later = (b.started_at + timedelta(microseconds=1)).isoformat()
+    assert await ids(startedAfter=later) == [c.sandbox_id]
     r = await client.get("/v2/sandboxes", params={"state": "paused"})
     assert r.json()[0]["state"] == "paused"
 

@@ -203,7 +203,8 @@ async def list_sandboxes_v2(
     )
     if started_after is not None:
         after = aware(started_after)
-        records = [r for r in records if aware(r.started_at) > after]
+        # Inclusive, as E2B: a sandbox started at that very instant is listed.
+        records = [r for r in records if aware(r.started_at) >= after]
     visible = _listed(records, wanted)
     states = {r.sandbox_id: s for r, s in visible}
     page, token = paginate([r for r, _ in visible], order=order, limit=limit, cursor=cursor)
