@@ -122,6 +122,8 @@ def build(
         "boot_snapshots": False,
         "hibernate_after": 60.0,
         "max_memory_mb": 4096,
+        # Disk images are loop mounts (tests/unit/test_disks.py); uppers here are plain dirs.
+        "disk_limits": False,
         **overrides,
     }
     settings = Settings(**values)

@@ -162,7 +162,12 @@ class Settings(BaseSettings):
     # Sandbox defaults (E2B's).
     default_cpu_count: int = 2
     default_memory_mb: int = 512
-    default_disk_mb: int = 1024
+    # The writable layer's size per sandbox (sparse: a limit, not a reservation).
+    default_disk_mb: int = 10240
+    # Each sandbox's uppers on a disk image of that size (`runtime/disks.py`); off: plain
+    # directories under rw/ with no limit. `disk_spares` formatted images wait for creates.
+    disk_limits: bool = True
+    disk_spares: int = 2
     default_timeout: int = 300
     max_timeout: int = 24 * 3600
 
@@ -263,6 +268,10 @@ class Settings(BaseSettings):
     @property
     def runtime_dir(self) -> Path:
         return self.home / "runtime"
+
+    @property
+    def disks_dir(self) -> Path:
+        return self.home / "disks"
 
     @property
     def rw_dir(self) -> Path:

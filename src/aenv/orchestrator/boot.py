@@ -97,7 +97,7 @@ class Booter:
             traffic_access_token=traffic_token(req),
             mask_request_host=req.mask_request_host,
             layers=list(template.layers if layers is None else layers),
-            upper=str(self.storage.new_upper(sandbox_id)),
+            upper=str(self.storage.first_upper(sandbox_id)),
             boot=template.boot_info(),
         )
 
@@ -139,6 +139,11 @@ class Booter:
 
         `init_from` is the access token the restored envd still holds (it must authorise
         its own re-initialisation); `init=False` skips /init for a plain resume."""
+        if r.upper is not None:
+            await asyncio.to_thread(
+                self.storage.ensure_upper, r.sandbox_id, Path(r.upper), r.disk_mb
+            )
+            self.ctx.spawn(asyncio.to_thread(self.storage.refill_disks), name="aenv-disks")
         run = run_to_squash(r.layers, 0)
         if run is not None:  # past what one overlay mount takes: cannot wait for later
             with t.stage("squash"):

@@ -43,6 +43,7 @@ from .context import Clock, NodeContext, check_timeout
 from .durable import Durable
 from .envd_client import EnvdClient, EnvdRpc
 from .fork import Forker, ForkResult
+from .liveness import Liveness
 from .node import Node
 from .pausing import Pauser
 from .pool import WarmPool
@@ -93,7 +94,10 @@ class Orchestrator:
         )
         self._pauser = pauser = Pauser(ctx, table, booter, runtime, templates)
         self._forker = Forker(ctx, table, snapshotter, sandboxes, templates)
-        self._node = Node(ctx, table, runtime, templates, sandboxes, pauser, pool, envd)
+        self._liveness = liveness = Liveness(table, runtime, booter)
+        self._node = Node(
+            ctx, table, runtime, templates, sandboxes, pauser, pool, envd, liveness
+        )
 
     # ------------------------------------------------------------------ the node
     async def start(self, *, timers: bool = True) -> None:
@@ -106,6 +110,10 @@ class Orchestrator:
 
     async def tick(self) -> None:
         await self._node.tick()
+
+    async def sweep_dead(self) -> builtins.list[str]:
+        """Finds sandboxes whose runtime died now (the timers do it every few seconds)."""
+        return await self._liveness.sweep()
 
     async def settle(self) -> None:
         """Waits for the background work started so far (publishes, squashes)."""

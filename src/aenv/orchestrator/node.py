@@ -13,6 +13,7 @@ from ..errors import AenvError
 from ..runtime.base import Runtime
 from .context import NodeContext
 from .envd_client import EnvdClient
+from .liveness import Liveness
 from .pausing import Pauser
 from .pool import WarmPool
 from .sandboxes import Sandboxes
@@ -22,6 +23,8 @@ from .templates import TemplateRegistry
 log = logging.getLogger("aenv.orchestrator")
 
 TICK_SECONDS = 1.0
+# Looking for sandboxes that died costs a /proc read each: every few ticks is soon enough.
+LIVENESS_EVERY_TICKS = 3
 _ON_DISK = (PauseTier.HIBERNATED, PauseTier.FILES)
 
 
@@ -35,7 +38,9 @@ class Node:
     pauser: Pauser
     pool: WarmPool
     envd: EnvdClient
+    liveness: Liveness
     _timer: asyncio.Task[None] | None = field(default=None, init=False)
+    _ticks: int = field(default=0, init=False)
 
     async def start(self, *, timers: bool = True) -> None:
         await self.recover()
@@ -113,3 +118,6 @@ class Node:
                 await self.pauser.hibernate(sandbox_id)
             except Exception:
                 log.exception("hibernating %s failed", sandbox_id)
+        self._ticks += 1
+        if self._ticks % LIVENESS_EVERY_TICKS == 0:
+            await self.liveness.sweep()

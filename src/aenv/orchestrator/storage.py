@@ -2,11 +2,14 @@
 
 Layout under $AENV_HOME:
     rw/<sandbox_id>/<generation>/upper    the overlay upper the sandbox writes into
+    disks/<sandbox_id>.ext4               the disk mounted on rw/<sandbox_id> (its size limit,
+                                          `runtime/disks.py`; without disk limits rw/ is plain)
     images/<name>/                        a runsc checkpoint image (memory + processes)
 
 A snapshot *seals* the current upper: it is renamed into the layer store as a new read-only
-layer (same filesystem, so O(1) whatever was written) and the sandbox continues on a fresh
-empty upper of the next generation on top of it.
+layer (a rename without disk limits; a copy of what was written with them, the disk being
+a filesystem of its own) and the sandbox continues on a fresh empty upper of the next
+generation on top of it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from ..config import Settings
 from ..images.cache import LayerCache, holder
 from ..images.layers import LayerStore
+from ..runtime.disks import Disks
 
 
 class SandboxStorage:
@@ -30,8 +34,29 @@ class SandboxStorage:
         self.refs = LayerCache(layers)
         settings.rw_dir.mkdir(parents=True, exist_ok=True)
         settings.images_dir.mkdir(parents=True, exist_ok=True)
+        self.disks = (
+            Disks(settings.disks_dir, settings.rw_dir, spares=settings.disk_spares)
+            if settings.disk_limits
+            else None
+        )
+
+    def first_upper(self, sandbox_id: str) -> Path:
+        """Where a new sandbox's upper will be (made by `ensure_upper` when it boots)."""
+        return self.settings.rw_dir / sandbox_id / "1" / "upper"
+
+    def ensure_upper(self, sandbox_id: str, upper: Path, disk_mb: int) -> None:
+        """Before a boot: the sandbox's disk mounted (made if new, its files kept if not)
+        and its upper dir there."""
+        if self.disks is not None:
+            self.disks.attach(sandbox_id, disk_mb)
+        upper.mkdir(parents=True, exist_ok=True)
+
+    def refill_disks(self) -> None:
+        if self.disks is not None:
+            self.disks.refill(self.settings.default_disk_mb)
 
     def new_upper(self, sandbox_id: str) -> Path:
+        """The upper of the sandbox's next generation (its disk is attached: it booted)."""
         base = self.settings.rw_dir / sandbox_id
         base.mkdir(parents=True, exist_ok=True)
         gens = [int(p.name) for p in base.iterdir() if p.name.isdigit()]
@@ -56,6 +81,8 @@ class SandboxStorage:
         return digest
 
     def remove_sandbox(self, sandbox_id: str) -> None:
+        if self.disks is not None:
+            self.disks.detach(sandbox_id)
         shutil.rmtree(self.settings.rw_dir / sandbox_id, ignore_errors=True)
 
     def image_dir(self, name: str) -> Path:

@@ -129,6 +129,11 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     async def alive(self, inst: Instance) -> bool: ...
 
+    async def exit_cause(self, inst: Instance) -> str | None:
+        """Why an instance that is no longer `alive` ended, when the backend can tell (say
+        the host killed it at its memory limit); None when it cannot."""
+        return None
+
     @abc.abstractmethod
     async def set_egress(self, inst: Instance, policy: EgressPolicy) -> None:
         """Replace the egress rules of a running, frozen or stopped sandbox, atomically (no

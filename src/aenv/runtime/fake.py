@@ -71,6 +71,7 @@ class FakeContainer:
     restored_from: str | None = None
     # The rules in force in its slot (None: never set, the node's fixed denies only).
     egress: EgressPolicy | None = None
+    exit_cause: str | None = None
 
 
 @dataclass
@@ -80,11 +81,13 @@ class FakeHost:
     containers: dict[str, FakeContainer] = field(default_factory=dict)
     capacity: int = _PER_NETWORK * len(_NETWORKS)
 
-    def kill(self, instance_id: str) -> None:
-        """The container's processes die (as if OOM-killed): not alive, slot still held."""
+    def kill(self, instance_id: str, cause: str | None = None) -> None:
+        """The container's processes die (as if OOM-killed): not alive, slot still held;
+        `cause` is what `exit_cause` then reports."""
         c = self.containers.get(instance_id)
         if c is not None and c.state is not FakeState.GONE:
             c.state = FakeState.EXITED
+            c.exit_cause = cause
 
     def slots(self) -> set[int]:
         return {c.slot for c in self.containers.values() if c.state is not FakeState.GONE}
@@ -252,6 +255,10 @@ class FakeRuntime(Runtime):
     async def alive(self, inst: Instance) -> bool:
         await self._enter(Call("alive", inst.id, inst.sandbox_id))
         return self.state(inst) in (FakeState.RUNNING, FakeState.FROZEN)
+
+    async def exit_cause(self, inst: Instance) -> str | None:
+        c = self.host.containers.get(inst.id)
+        return None if c is None else c.exit_cause
 
     async def set_egress(self, inst: Instance, policy: EgressPolicy) -> None:
         call = Call("set_egress", inst.id, inst.sandbox_id, egress=policy)

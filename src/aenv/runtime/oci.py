@@ -31,6 +31,22 @@ CAPABILITIES = [
 ]
 
 CPU_PERIOD_US = 100_000
+CPU_SHARES_PER_CPU = 1024
+
+
+def process_limit(memory_mb: int) -> int:
+    """Processes each user of a sandbox may have (RLIMIT_NPROC, which gVisor enforces:
+    fork fails with EAGAIN). Every task costs the sentry memory outside what the sandbox
+    allocates itself, so a fork bomb reaching the memory limit would have the host kill the
+    whole sandbox; at one process per 2 MiB (a shell takes ~0.5 MiB) it runs out of
+    processes first and the sandbox keeps answering."""
+    return max(128, memory_mb // 2)
+
+
+def host_task_limit(memory_mb: int) -> int:
+    """The host `pids` cgroup limit of the sandbox and gofer processes: a backstop far above
+    what the in-sandbox limit lets the sentry need (host threads per task are few)."""
+    return 4 * process_limit(memory_mb) + 1024
 
 
 def base_mounts() -> list[dict[str, Any]]:
@@ -70,7 +86,12 @@ def config(
     rootfs: Path,
     netns_path: str,
     cgroups_path: str,
+    tmp_on_rootfs: bool = False,
 ) -> dict[str, Any]:
+    """`tmp_on_rootfs`: bind the rootfs's own /tmp over /tmp. Without a mount there, runsc
+    puts a tmpfs of its own on an empty /tmp: files there live in the sentry's memory (a
+    /tmp fill has the host kill the sandbox at its memory limit), outside the disk limit,
+    and are not part of the sandbox's files (lost by builds and files-only pauses)."""
     env = dict(spec.env)
     env.setdefault("PATH", DEFAULT_PATH)
     mounts = base_mounts() + [
@@ -82,7 +103,18 @@ def config(
         }
         for m in spec.mounts
     ]
+    if tmp_on_rootfs and not any(m.destination.rstrip("/") == "/tmp" for m in spec.mounts):
+        mounts.append(
+            {
+                "destination": "/tmp",
+                "type": "bind",
+                "source": str(rootfs / "tmp"),
+                "options": ["rbind", "rw", "nosuid", "nodev"],
+            }
+        )
     cpus = max(1, spec.cpu_count)
+    memory_mb = max(16, spec.memory_mb)
+    nproc = process_limit(memory_mb)
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -96,7 +128,10 @@ def config(
                 "effective": CAPABILITIES,
                 "permitted": CAPABILITIES,
             },
-            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536}],
+            "rlimits": [
+                {"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536},
+                {"type": "RLIMIT_NPROC", "hard": nproc, "soft": nproc},
+            ],
             "noNewPrivileges": False,
         },
         # Not read-only: with --overlay2=root:memory the sandbox writes into the sentry's
@@ -114,9 +149,16 @@ def config(
                 {"type": "network", "path": netns_path},
             ],
             "cgroupsPath": cgroups_path,
+            # The quota caps a sandbox at its cpuCount; the shares split a busy node
+            # between sandboxes in proportion to it.
             "resources": {
-                "cpu": {"quota": cpus * CPU_PERIOD_US, "period": CPU_PERIOD_US},
-                "memory": {"limit": max(16, spec.memory_mb) * 1024 * 1024},
+                "cpu": {
+                    "quota": cpus * CPU_PERIOD_US,
+                    "period": CPU_PERIOD_US,
+                    "shares": cpus * CPU_SHARES_PER_CPU,
+                },
+                "memory": {"limit": memory_mb * 1024 * 1024},
+                "pids": {"limit": host_task_limit(memory_mb)},
             },
         },
     }

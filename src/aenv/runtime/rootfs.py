@@ -126,6 +126,18 @@ async def unmount(target: Path) -> bool:
     return await asyncio.to_thread(_unmount, str(target))
 
 
+def ensure_tmp(root: Path) -> bool:
+    """Makes sure a mounted writable rootfs has a /tmp directory (mode 1777 when made
+    here); False when its /tmp is something else (a symlink: left to the image)."""
+    tmp = root / "tmp"
+    if tmp.is_symlink() or (tmp.exists() and not tmp.is_dir()):
+        return False
+    if not tmp.exists():
+        tmp.mkdir()
+        tmp.chmod(0o1777)
+    return True
+
+
 def _unmount(target: str) -> bool:
     # The syscall itself: the umount program costs a process start on every snapshot.
     if not _is_mount_point(Path(target)):

@@ -20,10 +20,10 @@ from aenv.runtime import _proc, oci, rootfs, runsc
 from aenv.runtime.base import Instance, Runtime, SandboxSpec, Stats
 from aenv.runtime.freezer import CGROUP_ROOT, Freezer
 from aenv.runtime.gvisor import bundles
-from aenv.runtime.gvisor.container import OVERLAY_MEMORY, OVERLAY_NONE, Container
+from aenv.runtime.gvisor.container import OVERLAY_MEMORY, Container
 from aenv.runtime.gvisor.processes import Processes
 from aenv.runtime.gvisor.reconcile import Reconciler
-from aenv.runtime.gvisor.stats import StatsReader
+from aenv.runtime.gvisor.stats import StatsReader, exit_cause
 from aenv.runtime.network import Network, Slot, SlotAddressing, SlotPool
 from aenv.runtime.rootfs import RootfsMounts
 from aenv.runtime.runsc import Runsc, gather_quiet
@@ -196,7 +196,9 @@ class GVisorRuntime(Runtime):
             if held is not None:
                 self._busy.discard(held.id)
             raise
-        c = self._new_container(spec, cid, slot)
+        c = Container.for_spec(
+            spec, cid, slot, self.settings.sandboxes_dir, self.procs.cgroup(cid)
+        )
         if held is not None:
             self._live.pop(held.id, None)
         self._live[cid] = c
@@ -248,25 +250,6 @@ class GVisorRuntime(Runtime):
             )
         return cid
 
-    def _new_container(self, spec: SandboxSpec, cid: str, slot: Slot) -> Container:
-        bundle = self.settings.sandboxes_dir / spec.sandbox_id / cid
-        c = Container(
-            sandbox_id=spec.sandbox_id,
-            id=cid,
-            address=slot.router_ip,
-            slot=slot.index,
-            bundle_dir=bundle,
-            overlay=OVERLAY_MEMORY if spec.upper is None else OVERLAY_NONE,
-            cpu_count=spec.cpu_count,
-            memory_mb=spec.memory_mb,
-            cgroup=self.procs.cgroup(cid),
-        )
-        if spec.upper is not None:
-            c.upper = spec.upper
-            c.workdir = spec.upper.parent / f"work-{cid}"
-            c.rootfs_mount = bundle / "rootfs"
-        return c
-
     def _claim_stopped(self, reuse: Instance, spec: SandboxSpec) -> Container:
         """The runtime's own record of the stopped instance `reuse`, marked busy."""
         cid = reuse.id
@@ -301,9 +284,17 @@ class GVisorRuntime(Runtime):
             assert c.rootfs_mount is not None and c.workdir is not None
             await rootfs.mount_writable(spec.layers, spec.upper, c.workdir, c.rootfs_mount)
             root = c.rootfs_mount
+            tmp_on_rootfs = await asyncio.to_thread(rootfs.ensure_tmp, root)
         else:
             root, c.rootfs_key = await self.rootfs.acquire(spec.layers, cid)
-        cfg = oci.config(spec, rootfs=root, netns_path=slot.netns_path, cgroups_path=c.cgroup)
+            tmp_on_rootfs = False
+        cfg = oci.config(
+            spec,
+            rootfs=root,
+            netns_path=slot.netns_path,
+            cgroups_path=c.cgroup,
+            tmp_on_rootfs=tmp_on_rootfs,
+        )
         await asyncio.to_thread(bundles.write_config, bundle, cfg)
         await asyncio.to_thread(c.save)
         if before_runsc is not None:
@@ -469,6 +460,9 @@ class GVisorRuntime(Runtime):
 
     async def stats(self, inst: Instance) -> Stats:
         return await self.meter.stats(self._view(inst))
+
+    async def exit_cause(self, inst: Instance) -> str | None:
+        return await asyncio.to_thread(exit_cause, self._view(inst))
 
     async def set_egress(self, inst: Instance, policy: EgressPolicy) -> None:
         # The rules live in the slot, not the container: running, frozen or stopped alike.

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from aenv.domain import Instance
+from aenv.runtime.base import SandboxSpec
+from aenv.runtime.network import Slot
 
 OVERLAY_MEMORY = "root:memory"  # rootfs writes in the sentry's memory (no `upper`)
 OVERLAY_NONE = "none"  # rootfs writes to the host overlay's upper dir
@@ -49,6 +51,29 @@ class Container:
     stopped_at: float | None = None
     # After `checkpoint(leave_running=False)`: the sandbox exits on its own.
     checkpointed: bool = False
+
+    @classmethod
+    def for_spec(
+        cls, spec: SandboxSpec, cid: str, slot: Slot, sandboxes_dir: Path, cgroup: str
+    ) -> Container:
+        """A new container of `spec` in `slot`, its bundle under `sandboxes_dir`."""
+        bundle = sandboxes_dir / spec.sandbox_id / cid
+        c = cls(
+            sandbox_id=spec.sandbox_id,
+            id=cid,
+            address=slot.router_ip,
+            slot=slot.index,
+            bundle_dir=bundle,
+            overlay=OVERLAY_MEMORY if spec.upper is None else OVERLAY_NONE,
+            cpu_count=spec.cpu_count,
+            memory_mb=spec.memory_mb,
+            cgroup=cgroup,
+        )
+        if spec.upper is not None:
+            c.upper = spec.upper
+            c.workdir = spec.upper.parent / f"work-{cid}"
+            c.rootfs_mount = bundle / "rootfs"
+        return c
 
     def handle(self) -> Instance:
         return Instance(self.sandbox_id, self.id, self.address, self.data())

@@ -93,6 +93,27 @@ def read_cgroup(cgroup: str) -> tuple[int, int, int] | None:
     return None
 
 
+def oom_kills(cgroup: str) -> int:
+    """How many processes the host's OOM killer ended in the cgroup (v1 `oom_kill` in
+    memory.oom_control, v2 memory.events); 0 when unknown."""
+    rel = cgroup.lstrip("/")
+    for path, key in (
+        (CGROUP_ROOT / "memory" / rel / "memory.oom_control", "oom_kill"),
+        (CGROUP_ROOT / rel / "memory.events", "oom_kill"),
+    ):
+        try:
+            return _kv(path.read_text()).get(key, 0)
+        except OSError:
+            continue
+    return 0
+
+
+def exit_cause(c: Container) -> str | None:
+    if c.cgroup and oom_kills(c.cgroup) > 0:
+        return f"the host killed it at its memory limit ({c.memory_mb} MiB)"
+    return None
+
+
 def host_rss(c: Container) -> int:
     total = 0
     for pid in (c.pid, c.gofer_pid):

@@ -1,0 +1,162 @@
+"""Per-sandbox limits that hold: a memory hog, a fork bomb, a /tmp or disk fill and a CPU hog
+stay inside their sandbox (the process fails, the sandbox, its neighbours and the server keep
+answering); a sandbox whose runtime dies is reported and its resources released."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import NotEnoughSpaceException, NotFoundException, Sandbox
+
+from tests.helpers import wait_until
+
+from .conftest import Server
+
+pytestmark = pytest.mark.integration
+
+# The shared server's disk size (conftest: AENV_DEFAULT_DISK_MB).
+DISK_MB = 2048
+
+HOG = (
+    "python3 -c '\n"
+    "chunks = []\n"
+    "while True:\n"
+    "    b = bytearray(32 * 2**20)\n"
+    "    b[::4096] = b\"x\" * len(b[::4096])\n"
+    "    chunks.append(b)\n'"
+)
+
+
+def still_answer(server: Server, *sbxs: Sandbox) -> None:
+    with server.client() as c:
+        assert c.get("/health").is_success
+    for s in sbxs:
+        assert s.commands.run("echo ok", timeout=30).stdout.strip() == "ok"
+
+
+def test_a_memory_hog_dies_alone(server: Server, sandboxes: list[object]) -> None:
+    hog = Sandbox.create(template="base", timeout=180)
+    neighbour = Sandbox.create(template="base", timeout=180)
+    sandboxes += [hog, neighbour]
+    r = hog.commands.run(f"{HOG}; echo exit=$?", timeout=120)
+    # The allocation fails inside the sandbox (MemoryError, or the process is killed).
+    code = int(re.findall(r"exit=(\d+)", r.stdout)[-1])
+    assert code != 0
+    still_answer(server, hog, neighbour)
+    # What the hog held is back: the sandbox can allocate again.
+    r = hog.commands.run("python3 -c 'b = bytearray(128 * 2**20); print(len(b))'", timeout=60)
+    assert r.stdout.strip() == str(128 * 2**20)
+
+
+def test_a_fork_bomb_runs_out_of_processes_not_the_node(
+    server: Server, sandboxes: list[object]
+) -> None:
+    bomb = Sandbox.create(template="base", timeout=180)
+    neighbour = Sandbox.create(template="base", timeout=180)
+    sandboxes += [bomb, neighbour]
+    limit = int(bomb.commands.run("ulimit -u").stdout)
+    assert 0 < limit < 100_000
+    bomb.commands.run(
+        "nohup bash -c 'b() { b | b & }; b' > /tmp/bomb.log 2>&1 &", timeout=30
+    )
+    # Forks are refused inside the sandbox while it (and the node) keeps answering.
+    wait_until(
+        lambda: "Resource temporarily unavailable"
+        in bomb.commands.run("cat /tmp/bomb.log", timeout=60).stdout,
+        60,
+        1,
+        "the bomb to run out of processes",
+    )
+    still_answer(server, neighbour)
+    bomb.commands.run(
+        "for i in 1 2 3 4 5 6; do pkill -9 -u user; sleep 0.5; done; true", user="root", timeout=90
+    )
+    still_answer(server, bomb, neighbour)
+
+
+def test_a_disk_fill_gets_enospc_and_the_files_api_507(
+    server: Server, sandboxes: list[object]
+) -> None:
+    sbx = Sandbox.create(template="base", timeout=180)
+    sandboxes.append(sbx)
+    size_kb = int(sbx.commands.run("df -k --output=size / | tail -1").stdout)
+    assert size_kb <= DISK_MB * 1024  # the writable layer's size, not the host's disk
+    # /tmp is part of the sandbox's files: on its disk, not in memory.
+    tmp = sbx.commands.run(
+        f"dd if=/dev/zero of=/tmp/fill bs=1M count={DISK_MB + 256} 2>&1; true",
+        timeout=300,
+    )
+    assert "No space left on device" in tmp.stdout
+    with pytest.raises(NotEnoughSpaceException):  # the files API's 507
+        sbx.files.write("/home/user/more.bin", b"y" * (8 * 2**20))
+    still_answer(server, sbx)
+    sbx.commands.run("rm -f /tmp/fill")
+    sbx.files.write("/home/user/more.bin", b"y" * (8 * 2**20))
+    assert sbx.commands.run("stat -c %s /home/user/more.bin").stdout.strip() == str(8 * 2**20)
+
+
+def test_cpu_count_caps_a_cpu_hog(sandboxes: list[object], server: Server) -> None:
+    # Two busy processes for 3 s of wall time in a 1-CPU sandbox get ~3 s of CPU, not 6.
+    with server.client() as c:
+        resp = c.post("/sandboxes", json={"templateID": "base", "cpuCount": 1, "timeout": 120})
+        assert resp.status_code == 201, resp.text
+        sbx = Sandbox.connect(resp.json()["sandboxID"])
+    sandboxes.append(sbx)
+    burn = (
+        "python3 -c '\n"
+        "import os, time\n"
+        "pids = []\n"
+        "for _ in range(2):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        end = time.time() + 3\n"
+        "        while time.time() < end: pass\n"
+        "        os._exit(0)\n"
+        "    pids.append(pid)\n"
+        "for p in pids: os.waitpid(p, 0)\n"
+        "t = os.times()\n"
+        "print(t.children_user + t.children_system)\n'"
+    )
+    cpu_seconds = float(sbx.commands.run(burn, timeout=60).stdout)
+    assert cpu_seconds < 4.5, f"{cpu_seconds:.1f} CPU seconds in 3 s on 1 CPU"
+
+
+def _sandbox_pids(sandbox_id: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"runsc-sandbox.*{sandbox_id}"], capture_output=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def test_a_sandbox_whose_runtime_dies_is_reported_and_released(
+    server: Server, sandboxes: list[object]
+) -> None:
+    sbx = Sandbox.create(template="base", timeout=180)
+    sandboxes.append(sbx)
+    disk = server.home / "disks" / f"{sbx.sandbox_id}.ext4"
+    assert disk.exists()
+    pids = _sandbox_pids(sbx.sandbox_id)
+    assert pids, "no runsc sandbox process found"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)  # as the host's OOM killer would
+
+    def gone() -> bool:
+        with server.client() as c:
+            listed = {s["sandboxID"] for s in c.get("/sandboxes").json()}
+        return sbx.sandbox_id not in listed
+
+    wait_until(gone, 30, 0.5, "the dead sandbox to leave the list")
+    with server.client() as c:
+        resp = c.get(f"/sandboxes/{sbx.sandbox_id}")
+    assert resp.status_code == 404
+    assert "died" in resp.json()["message"]
+    with pytest.raises(NotFoundException):
+        Sandbox.connect(sbx.sandbox_id)
+    wait_until(lambda: not disk.exists(), 30, 0.5, "its disk to be released")
+    assert not Path(server.home / "rw" / sbx.sandbox_id).exists()
+    with httpx.Client(base_url=server.url, headers={"X-API-Key": server.api_key}) as c:
+        assert c.get("/health").is_success
