@@ -177,6 +177,12 @@ class Settings(BaseSettings):
     # Admission: the sum of memoryMB of live sandboxes on this node may not exceed this
     # (None: 90% of the host's RAM).
     max_memory_mb: int | None = None
+    # Admission: at most this many sandboxes holding memory (running or frozen, the warm
+    # pool's included) on the node; 0: the memory budget alone decides. Past it: 429.
+    max_sandboxes: int = 0
+    # Admission: creates are refused (503) while the node's disk under $AENV_HOME has less
+    # free than this (sandbox disks are sparse: their sizes are limits, not reservations).
+    min_free_disk_mb: int = 1024
     # Sandboxes of the default template booted ahead of demand (envd up, not yet assigned):
     # a create that matches takes one and only has to initialise envd.
     sandbox_pool_size: int = 2

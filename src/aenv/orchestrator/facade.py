@@ -81,7 +81,7 @@ class Orchestrator:
         envd = envd or EnvdClient()
         self._envd = envd
         budget = settings.max_memory_mb or int(_host_memory_mb() * 0.9)
-        self._table = table = SandboxTable(catalog, budget)
+        self._table = table = SandboxTable(catalog, budget, settings.max_sandboxes)
         self._templates = templates = TemplateRegistry(
             catalog, storage, durable, runtime.image_complete
         )

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 from ..domain import CreateRequest, EgressPolicy, SandboxRecord, SandboxState, Timings
-from ..errors import BadRequest, NotFound
+from ..errors import BadRequest, NotFound, Unavailable
 from ..runtime.base import Runtime
 from .boot import Booter
 from .bootsnaps import BootSnapshots
@@ -57,6 +58,7 @@ class Sandboxes:
             adopted = await self.pool.adopt(warm, req, alias, timeout, t)
             if adopted is not None:
                 return adopted
+        self.check_free_disk()
         self.table.reserve(mem)
         boot = self.boot_snapshots.for_shape(tpl, cpu, mem)
         r = self.booter.new_record(
@@ -96,6 +98,18 @@ class Sandboxes:
         await self.table.save(r)
         self.booter.squash_later(r)
         return r
+
+    def check_free_disk(self) -> None:
+        """Admission: a node short of disk refuses new sandboxes rather than have them fail
+        their first writes (a statvfs: no I/O to speak of)."""
+        s = self.ctx.settings
+        st = os.statvfs(s.home)
+        free_mb = st.f_bavail * st.f_frsize // 2**20
+        if free_mb < s.min_free_disk_mb:
+            raise Unavailable(
+                f"not enough free disk on this node: {free_mb} MiB free, "
+                f"{s.min_free_disk_mb} MiB needed to start a sandbox"
+            )
 
     async def kill(self, sandbox_id: str) -> None:
         r = self.table.find(sandbox_id)

@@ -7,7 +7,7 @@ import asyncio
 import builtins
 
 from ..domain import HOLDS_MEMORY, LIVE_STATES, SandboxRecord, SandboxState
-from ..errors import NotFound, Unavailable
+from ..errors import NotFound, TooManyRequests, Unavailable
 from .catalog import Catalog
 
 # States in which a sandbox id means nothing to its user.
@@ -15,9 +15,10 @@ _HIDDEN = frozenset({SandboxState.KILLED, SandboxState.KILLING, SandboxState.CRE
 
 
 class SandboxTable:
-    def __init__(self, catalog: Catalog, memory_budget_mb: int) -> None:
+    def __init__(self, catalog: Catalog, memory_budget_mb: int, max_sandboxes: int = 0) -> None:
         self.catalog = catalog
         self.memory_budget_mb = memory_budget_mb
+        self.max_sandboxes = max_sandboxes
         self._records: dict[str, SandboxRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -90,6 +91,13 @@ class SandboxTable:
     def reserve(self, memory_mb: int) -> None:
         """Admission: refuses a sandbox the memory budget cannot hold. The caller adds its
         record (in a state that holds memory) before it next yields to the loop."""
+        if self.max_sandboxes:
+            held = sum(1 for r in self._records.values() if r.state in HOLDS_MEMORY)
+            if held >= self.max_sandboxes:
+                raise TooManyRequests(
+                    f"this node already runs its maximum of {self.max_sandboxes} concurrent "
+                    "sandboxes; kill or pause one and try again"
+                )
         used = self.memory_in_use()
         if used + memory_mb > self.memory_budget_mb:
             raise Unavailable(
