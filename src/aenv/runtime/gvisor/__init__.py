@@ -16,8 +16,12 @@ bundle dir (`bundles.py`): `$AENV_HOME/sandboxes/<sandbox_id>/<container_id>/`.
   the same container id (so the same address), on a new stack and a new upper.
 * network: one slot (`network.py`) per container; the instance's address is the router address.
 * limits: `linux.resources` + `linux.cgroupsPath=/<net_prefix>/<container_id>` (runsc creates
-  the cgroups; on this host's cgroup v1 hierarchies, memory and cpu quota apply to the sandbox
-  and gofer processes; exceeding the memory limit OOM-kills the whole sandbox, not the host).
+  the cgroups; on this host's cgroup v1 hierarchies, memory, cpu quota/shares and pids apply
+  to the sandbox and gofer processes; gVisor sizes the guest's RAM by the memory limit, so an
+  application's allocation past it fails inside; what still reaches the limit — the sentry's
+  own memory — OOM-kills the whole sandbox, not the host, and `exit_cause` says so).
+  `RLIMIT_NPROC` in the spec (`oci.process_limit`) bounds processes inside. With a writable
+  overlay, /tmp is the rootfs's own (a bind mount), not runsc's in-memory tmpfs.
 * destroy: the awaited part only SIGKILLs the sandbox process (it stops serving at once);
   `runsc delete`, slot teardown, unmount and bundle removal finish in a tracked background task
   that `close()` awaits.
