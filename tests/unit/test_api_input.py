@@ -182,3 +182,25 @@ async def test_a_mebibyte_env_value_is_refused_before_it_is_read(
 def test_env_rules_accept_what_a_shell_takes() -> None:
     assert env_problem({"A": "", "_x1": "v", "LANG": "C.UTF-8", "ü": "ß"}) is None
     assert env_problem({}) is None
+
+
+@pytest.mark.parametrize("value", ["0.5", "1700000000", "2025-01-01", "yesterday"])
+async def test_started_after_must_be_a_date_time(client: httpx.AsyncClient, value: str) -> None:
+    r = await client.get("/v2/sandboxes", params={"startedAfter": value})
+    assert "startedAfter" in assert_error(r, 400)["message"]
+    r = await client.get("/v2/sandboxes", params={"startedAfter": "2025-01-01T00:00:00Z"})
+    assert r.status_code == 200
+
+
+async def test_openapi_declares_what_the_api_answers(client: httpx.AsyncClient) -> None:
+    doc = (await client.get("/openapi.json")).json()
+    for path, operations in doc["paths"].items():
+        for method, op in operations.items():
+            # Any body can be refused as too large; a parameter is never sent as JSON null.
+            if "requestBody" in op:
+                assert "413" in op["responses"], (method, path)
+            assert "422" not in op["responses"]
+            for param in op.get("parameters", []):
+                assert {"type": "null"} not in param["schema"].get("anyOf", []), (path, param)
+    create = doc["components"]["schemas"]["NewSandboxV2"]["properties"]
+    assert any(o.get("maxProperties") == MAX_METADATA_KEYS for o in create["metadata"]["anyOf"])
