@@ -744,3 +744,30 @@ def test_init_refuses_env_vars_that_would_break_every_command(
         assert c.get("/envs").json() == {"KEEP": "1"}
         events, _ = run(c, bash("echo $KEEP"))
         assert output(events, "stdout") == b"1\n"
+
+
+def test_paths_no_system_call_takes_are_client_errors(client: httpx.Client, tmp_path: Path) -> None:
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "file").write_text("f")
+    bad = ["/tmp/a\0b", "/tmp/" + "x" * 300, str(tmp_path / "loop"), str(tmp_path / "file/x")]
+    for path in bad:
+        r = client.get("/files", params={"path": path})
+        assert r.status_code == 400 and r.json()["code"] == 400, (path, r.text)
+        r = client.post(
+            "/files",
+            params={"path": path},
+            content=b"x",
+            headers={"content-type": "application/octet-stream"},
+        )
+        assert r.status_code == 400 and r.json()["code"] == 400, (path, r.text)
+    for path in bad[:2]:
+        for method in ("Stat", "ListDir", "MakeDir", "Remove"):
+            r = rpc(client, f"filesystem.Filesystem/{method}", {"path": path})
+            assert r.json()["code"] == "invalid_argument", (method, path, r.text)
+    r = rpc(client, "filesystem.Filesystem/ListDir", {"path": bad[2]})
+    assert r.json()["code"] == "invalid_argument"
+    _, eos = run(client, bash("pwd", cwd="/tmp/a\0b"))
+    assert eos["error"]["code"] == "invalid_argument"
+    # A file that fails on its first read is a clean 400, not a stream cut after a 200.
+    r = client.get("/files", params={"path": "/proc/self/mem"})
+    assert r.status_code == 400 and r.json()["code"] == 400

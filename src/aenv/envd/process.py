@@ -74,7 +74,10 @@ class ProcessManager:
             raise RPCError("invalid_argument", problem)
         cwd_in = pcfg.get("cwd")
         user = ctx.user
-        cwd = self.state.workdir(user, as_str(cwd_in, "cwd") if cwd_in else None)
+        try:
+            cwd = self.state.workdir(user, as_str(cwd_in, "cwd") if cwd_in else None)
+        except ValueError as e:
+            raise RPCError("invalid_argument", f"cwd: {e}") from None
         if not os.path.isdir(cwd):
             raise RPCError("invalid_argument", f"cwd '{cwd}' does not exist")
         tag = msg.get("tag")
