@@ -46,6 +46,9 @@ _REF_ALPHABET = _ALNUM + "ABCZ./:@_-+ \t\n\0[]%~é"
 
 @settings(max_examples=400)
 @given(st.one_of(st.text(_REF_ALPHABET, max_size=80), st.text(max_size=40)))
+# Found by this test: an upper-case one-label registry was lower-cased, and printed it read as
+# a Docker Hub path.
+@example("A/0")
 def test_any_text_is_a_reference_or_bad_request(text: str) -> None:
     try:
         ref = parse_reference(text)
