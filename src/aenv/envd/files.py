@@ -106,8 +106,9 @@ async def download(req: Request, resp: Response, user: User) -> None:
             ("Content-Disposition", f"attachment; filename*=UTF-8''{quote(name, safe='')}"),
             ("Vary", "Accept-Encoding"),
         ]
-        # The first read before the answer starts: a file that cannot be read (EIO from
-        # /proc/self/mem, EINVAL from some device files) is a clean error, not a cut stream.
+        # The first read before the answer starts: a file that cannot be read at all (EIO
+        # from /proc/self/mem, EINVAL from some device files) is a clean 400, not a stream
+        # cut after a 200. A read error later still cuts the connection: never padded.
         try:
             first = os.read(fd, CHUNK)
         except OSError as e:
@@ -121,7 +122,7 @@ async def download(req: Request, resp: Response, user: User) -> None:
             data = first
             while data:
                 await resp.write(comp.compress(data))
-                data = _read_on(fd, resp)
+                data = os.read(fd, CHUNK)
             await resp.write(comp.flush())
             await resp.end()
             return
@@ -135,7 +136,7 @@ async def download(req: Request, resp: Response, user: User) -> None:
             await resp.write(data)
             if size is not None and sent >= size:
                 break
-            data = _read_on(fd, resp, size - sent if size is not None else CHUNK)
+            data = os.read(fd, min(CHUNK, size - sent) if size is not None else CHUNK)
         if size is not None and sent < size:  # file shrank while sending: pad
             # the connection cannot be kept in a consistent state otherwise
             resp.keep_alive = False
@@ -143,16 +144,6 @@ async def download(req: Request, resp: Response, user: User) -> None:
         await resp.end()
     finally:
         os.close(fd)
-
-
-def _read_on(fd: int, resp: Response, n: int = CHUNK) -> bytes:
-    """The next chunk of a download under way; a read error there ends the file early and
-    the connection with it (the status is already sent)."""
-    try:
-        return os.read(fd, min(n, CHUNK))
-    except OSError:
-        resp.keep_alive = False
-        return b""
 
 
 # ---- uploads ----------------------------------------------------------------
