@@ -321,3 +321,11 @@ class ErrorBody(BaseModel):
     code: int
     message: str
     error_code: str | None = None
+
+
+# What a route that boots, restores or reaches a sandbox may answer besides its success:
+# admission (429 past the sandbox count, 503 past the memory or disk budget), envd not
+# answering (502) or too slow (504), on top of the usual client errors.
+LIFECYCLE_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody} for status in (400, 401, 404, 409, 429, 500, 502, 503, 504)
+}

@@ -23,10 +23,10 @@ from ..deps import IdempotencyDep, OrchestratorDep, SettingsDep
 from ..idempotency import IdempotencyCache, validate_key
 from ..listing import Cursor, aware, paginate, parse_metadata_filter, parse_states, rfc3339
 from ..models import (
+    LIFECYCLE_ERRORS,
     ApiState,
     ConnectSandbox,
     ConnectSandboxV2,
-    ErrorBody,
     ListedSandbox,
     NetworkConfig,
     NetworkUpdate,
@@ -41,11 +41,9 @@ from ..models import (
     api_state,
 )
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorBody} for status in (400, 401, 404, 409, 500)
-}
-
-router = APIRouter(tags=["sandboxes"], dependencies=[Depends(require_api_key)], responses=_ERRORS)
+router = APIRouter(
+    tags=["sandboxes"], dependencies=[Depends(require_api_key)], responses=LIFECYCLE_ERRORS
+)
 
 NEXT_TOKEN_HEADER = "x-next-token"
 SERVER_TIMING_HEADER = "Server-Timing"
