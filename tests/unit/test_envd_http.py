@@ -213,6 +213,35 @@ def test_start_errors(client: httpx.Client) -> None:
     assert eos["error"]["code"] == "unauthenticated"
 
 
+@pytest.mark.parametrize(
+    "envs, needle",
+    [
+        ({"A=B": "x"}, "'='"),
+        ({"": "x"}, "empty"),
+        ({"A\0B": "x"}, "NUL"),
+        ({"A": "x\0y"}, "NUL"),
+        ({"BIG": "x" * (64 << 10)}, "bytes"),
+    ],
+)
+def test_start_refuses_envs_no_process_could_have(
+    client: httpx.Client, envs: dict[str, str], needle: str
+) -> None:
+    events, eos = run(client, bash("echo ran", envs=envs))
+    assert events == []
+    assert eos["error"]["code"] == "invalid_argument" and needle in eos["error"]["message"]
+    # The next command is unaffected.
+    events, _ = run(client, bash("echo fine"))
+    assert output(events, "stdout") == b"fine\n"
+
+
+def test_start_nul_in_args_and_huge_args_are_invalid_argument(client: httpx.Client) -> None:
+    _, eos = run(client, bash("echo a\0b"))
+    assert eos["error"]["code"] == "invalid_argument"
+    # Past the kernel's per-string bound (128 KiB): E2BIG from execve.
+    _, eos = run(client, bash("true", args=["-c", "true", "x" * (200 << 10)]))
+    assert eos["error"]["code"] == "invalid_argument"
+
+
 def test_run_as_other_user(client: httpx.Client) -> None:
     events, _ = run(client, bash("id -u; echo $HOME; pwd"), basic("nobody"))
     uid, home, cwd = output(events, "stdout").decode().split("\n")[:3]
@@ -698,3 +727,47 @@ def test_init_token_and_auth(envd_launcher: Callable[..., str], tmp_path: Path) 
             headers={"content-type": "application/octet-stream"},
         )
         assert r.status_code == 200 and up.read_text() == "w"
+
+
+@pytest.mark.parametrize(
+    "env_vars", [{"A=B": "x"}, {"": "x"}, {"A": "x\0y"}, {"BIG": "x" * (64 << 10)}]
+)
+def test_init_refuses_env_vars_that_would_break_every_command(
+    envd_launcher: Callable[..., str], env_vars: dict[str, str]
+) -> None:
+    url = envd_launcher()
+    with httpx.Client(base_url=url, timeout=20) as c:
+        assert c.post("/init", json={"envVars": {"KEEP": "1"}}).status_code == 204
+        r = c.post("/init", json={"envVars": env_vars})
+        assert r.status_code == 400 and r.json()["code"] == 400
+        # Nothing of the refused /init was applied, and commands still run.
+        assert c.get("/envs").json() == {"KEEP": "1"}
+        events, _ = run(c, bash("echo $KEEP"))
+        assert output(events, "stdout") == b"1\n"
+
+
+def test_paths_no_system_call_takes_are_client_errors(client: httpx.Client, tmp_path: Path) -> None:
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "file").write_text("f")
+    bad = ["/tmp/a\0b", "/tmp/" + "x" * 300, str(tmp_path / "loop"), str(tmp_path / "file/x")]
+    for path in bad:
+        r = client.get("/files", params={"path": path})
+        assert r.status_code == 400 and r.json()["code"] == 400, (path, r.text)
+        r = client.post(
+            "/files",
+            params={"path": path},
+            content=b"x",
+            headers={"content-type": "application/octet-stream"},
+        )
+        assert r.status_code == 400 and r.json()["code"] == 400, (path, r.text)
+    for path in bad[:2]:
+        for method in ("Stat", "ListDir", "MakeDir", "Remove"):
+            r = rpc(client, f"filesystem.Filesystem/{method}", {"path": path})
+            assert r.json()["code"] == "invalid_argument", (method, path, r.text)
+    r = rpc(client, "filesystem.Filesystem/ListDir", {"path": bad[2]})
+    assert r.json()["code"] == "invalid_argument"
+    _, eos = run(client, bash("pwd", cwd="/tmp/a\0b"))
+    assert eos["error"]["code"] == "invalid_argument"
+    # A file that fails on its first read is a clean 400, not a stream cut after a 200.
+    r = client.get("/files", params={"path": "/proc/self/mem"})
+    assert r.status_code == 400 and r.json()["code"] == 400

@@ -125,6 +125,14 @@ def test_commands_run(sbx: Any, tmp_path: Path) -> None:
     assert r.stdout == f"sv mv {tmp_path}\n"
 
 
+def test_commands_with_env_no_process_could_have_are_refused(sbx: Any) -> None:
+    for envs in ({"A=B": "x"}, {"A": "x\0y"}, {"BIG": "x" * (1 << 20)}):
+        with pytest.raises(e2b.InvalidArgumentException):
+            sbx.commands.run("echo ran", envs=envs, user="root")
+    # The sandbox is unharmed: the next command runs.
+    assert sbx.commands.run("echo $SANDBOX_VAR", user="root").stdout == "sv\n"
+
+
 def test_on_stdout_order(sbx: Any) -> None:
     got: list[str] = []
     sbx.commands.run("for i in $(seq 1 200); do echo $i; done", on_stdout=got.append, user="root")

@@ -34,7 +34,8 @@ D = "sha256:" + "a" * 64
         ("localhost:5000/x", "localhost:5000", "x", "latest", None),
         ("localhost/x", "localhost", "x", "latest", None),
         ("127.0.0.1:5000/a/b-c_d.e:1.0-rc", "127.0.0.1:5000", "a/b-c_d.e", "1.0-rc", None),
-        ("Registry/x", "registry", "x", "latest", None),
+        # As Docker: kept as written (lower-cased it would print as a Docker Hub path).
+        ("Registry/x", "Registry", "x", "latest", None),
     ],
 )
 def test_parse(text: str, registry: str, repo: str, tag: str | None, digest: str | None) -> None:

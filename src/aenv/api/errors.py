@@ -116,8 +116,27 @@ class CatchAllMiddleware:
             await response(scope, receive, send)
 
 
-def _openapi_without_422(app: FastAPI) -> None:
-    """Validation errors are 400 here, so the OpenAPI document must not promise FastAPI's 422."""
+def _optional_parameter(schema: dict[str, Any]) -> dict[str, Any]:
+    """`anyOf: [X, null]` -> X: a query parameter or header is absent or a string, never
+    JSON null, so the document must not offer null as a value to send."""
+    options = schema.get("anyOf")
+    if not isinstance(options, list):
+        return schema
+    rest = [o for o in options if o != {"type": "null"}]
+    if len(rest) == len(options):
+        return schema
+    out = {k: v for k, v in schema.items() if k != "anyOf"}
+    if len(rest) == 1:
+        out.update(rest[0])
+    else:
+        out["anyOf"] = rest
+    return out
+
+
+def _truthful_openapi(app: FastAPI) -> None:
+    """The OpenAPI document as the API behaves: validation errors are 400 here (not
+    FastAPI's 422), any body may be refused as too large (413), optional parameters are
+    absent rather than null."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -125,7 +144,20 @@ def _openapi_without_422(app: FastAPI) -> None:
             schema = generate()
             for operations in schema.get("paths", {}).values():
                 for operation in operations.values():
-                    operation.get("responses", {}).pop("422", None)
+                    responses = operation.get("responses", {})
+                    responses.pop("422", None)
+                    if "requestBody" in operation and "413" not in responses:
+                        responses["413"] = {
+                            "description": "Request body too large",
+                            "content": {
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/ErrorBody"}
+                                }
+                            },
+                        }
+                    for param in operation.get("parameters", []):
+                        if "schema" in param:
+                            param["schema"] = _optional_parameter(param["schema"])
             schemas = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(name, None)
@@ -136,7 +168,7 @@ def _openapi_without_422(app: FastAPI) -> None:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    _openapi_without_422(app)
+    _truthful_openapi(app)
     app.add_exception_handler(AenvError, _aenv_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -17,6 +18,20 @@ from aenv.errors import BadRequest
 Order = Literal["asc", "desc"]
 T = TypeVar("T")
 API_STATES = ("running", "paused")
+
+
+# RFC 3339 as E2B takes it (a date alone or a bare number is not a time): pydantic alone
+# would read `startedAfter=0.5` as a Unix timestamp.
+_RFC3339 = re.compile(
+    r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?([Zz]|[+-]\d{2}(:?\d{2})?)?"
+)
+
+
+def rfc3339(value: object) -> object:
+    """A pydantic before-validator for date-time query parameters."""
+    if isinstance(value, str) and not _RFC3339.fullmatch(value):
+        raise ValueError("must be an RFC 3339 date-time such as 2025-01-01T00:00:00Z")
+    return value
 
 
 def parse_metadata_filter(raw: str | None) -> dict[str, str] | None:

@@ -23,6 +23,8 @@ from aenv.domain import EgressPolicy, SandboxRecord
 from aenv.domain import SandboxState as State
 from aenv.errors import BadRequest
 
+from .inputs import EnvVars, Metadata
+
 ApiState = Literal["running", "paused"]
 
 # How our lifecycle states look through E2B's two-state lens; the same mapping as
@@ -47,7 +49,9 @@ def api_state(state: State) -> ApiState | None:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    # Strict, as E2B's JSON decoding: `"timeout": "10"` or `"secure": "yes"` is a 400, not a
+    # guess.
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
 
 
 class AutoResume(_Request):
@@ -108,8 +112,8 @@ class NewSandboxV2(_Request):
     # snake_case on the wire, as E2B has it.
     allow_internet_access: bool | None = None
     network: NetworkConfig | None = None
-    metadata: dict[str, str] | None = None
-    env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
+    metadata: Metadata | None = None
+    env_vars: EnvVars | None = Field(default=None, alias="envVars")
     # Our extensions for a cold boot's size.
     cpu_count: int | None = Field(default=None, alias="cpuCount", ge=1, le=16)
     memory_mb: int | None = Field(default=None, alias="memoryMB", ge=128, le=65536)
@@ -317,3 +321,11 @@ class ErrorBody(BaseModel):
     code: int
     message: str
     error_code: str | None = None
+
+
+# What a route that boots, restores or reaches a sandbox may answer besides its success:
+# admission (429 past the sandbox count, 503 past the memory or disk budget), envd not
+# answering (502) or too slow (504), on top of the usual client errors.
+LIFECYCLE_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody} for status in (400, 401, 404, 409, 429, 500, 502, 503, 504)
+}

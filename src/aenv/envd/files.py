@@ -29,6 +29,10 @@ MAX_PART_HEAD = 16 * 1024
 METADATA_HEADER = "x-metadata-"
 
 
+# What the path itself provokes (too long, a symlink loop, a file used as a directory).
+_PATH_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ELOOP, errno.ENOTDIR})
+
+
 def _sign(path: str, op: str, user: str, token: str, exp: str | None) -> str:
     import base64
     import hashlib
@@ -79,7 +83,7 @@ async def download(req: Request, resp: Response, user: User) -> None:
     raw = req.query.get("path")
     if not raw:
         raise HTTPError(400, "path query parameter is required")
-    path = resolve_path(raw, user)
+    path = _resolve(raw, user)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -89,6 +93,8 @@ async def download(req: Request, resp: Response, user: User) -> None:
     except PermissionError:
         raise HTTPError(403, f"permission denied: '{path}'") from None
     except OSError as e:
+        if e.errno in _PATH_ERRNOS:
+            raise HTTPError(400, f"path '{path}': {e.strerror}") from None
         raise HTTPError(500, f"error opening '{path}': {e}") from None
     try:
         info = os.fstat(fd)
@@ -100,17 +106,23 @@ async def download(req: Request, resp: Response, user: User) -> None:
             ("Content-Disposition", f"attachment; filename*=UTF-8''{quote(name, safe='')}"),
             ("Vary", "Accept-Encoding"),
         ]
+        # The first read before the answer starts: a file that cannot be read at all (EIO
+        # from /proc/self/mem, EINVAL from some device files) is a clean 400, not a stream
+        # cut after a 200. A read error later still cuts the connection: never padded.
+        try:
+            first = os.read(fd, CHUNK)
+        except OSError as e:
+            raise HTTPError(400, f"path '{path}' cannot be read: {e.strerror}") from None
         if _accepts_gzip(req.header("accept-encoding")):
             import zlib
 
             comp = zlib.compressobj(6, zlib.DEFLATED, 31)
             headers.append(("Content-Encoding", "gzip"))
             await resp.start(200, headers)
-            while True:
-                data = os.read(fd, CHUNK)
-                if not data:
-                    break
+            data = first
+            while data:
                 await resp.write(comp.compress(data))
+                data = os.read(fd, CHUNK)
             await resp.write(comp.flush())
             await resp.end()
             return
@@ -118,12 +130,13 @@ async def download(req: Request, resp: Response, user: User) -> None:
         size = info.st_size if st.S_ISREG(info.st_mode) and info.st_size > 0 else None
         await resp.start(200, headers, length=size)
         sent = 0
-        while size is None or sent < size:
-            data = os.read(fd, min(CHUNK, size - sent) if size is not None else CHUNK)
-            if not data:
-                break
+        data = first[:size] if size is not None else first
+        while data:
             sent += len(data)
             await resp.write(data)
+            if size is not None and sent >= size:
+                break
+            data = os.read(fd, min(CHUNK, size - sent) if size is not None else CHUNK)
         if size is not None and sent < size:  # file shrank while sending: pad
             # the connection cannot be kept in a consistent state otherwise
             resp.keep_alive = False
@@ -222,9 +235,18 @@ class _Writer:
             self.fd = -1
 
 
+def _resolve(raw: str, user: User) -> str:
+    try:
+        return resolve_path(raw, user)
+    except ValueError as e:
+        raise HTTPError(400, str(e)) from None
+
+
 def _io_error(e: OSError, path: str) -> HTTPError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return HTTPError(507, f"not enough disk space available to write '{path}'")
+    if e.errno in _PATH_ERRNOS:
+        return HTTPError(400, f"path '{path}': {e.strerror}")
     if isinstance(e, PermissionError):
         return HTTPError(403, f"permission denied: '{path}'")
     if isinstance(e, IsADirectoryError):
@@ -382,7 +404,7 @@ async def upload(req: Request, resp: Response, user: User, meta_store: Metadata)
             target = query_path or filename
             if not target:
                 raise HTTPError(400, "no path given for an uploaded file")
-            path = resolve_path(target, user)
+            path = _resolve(target, user)
             if path in seen:
                 raise HTTPError(400, f"you cannot upload multiple files to the same path '{path}'")
             seen.add(path)
@@ -408,7 +430,7 @@ async def upload(req: Request, resp: Response, user: User, meta_store: Metadata)
     else:
         if not query_path:
             raise HTTPError(400, "path query parameter is required for raw body upload")
-        w = _Writer(resolve_path(query_path, user), user)
+        w = _Writer(_resolve(query_path, user), user)
         try:
             while True:
                 data = await src.read()

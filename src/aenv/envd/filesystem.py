@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import shutil
 import stat as st
@@ -169,9 +170,11 @@ def make_dirs(path: str, user: User) -> bool:
     return True
 
 
-def os_error(e: OSError, path: str) -> RPCError:
-    import errno
+# What the path itself provokes (too long, a symlink loop): the caller's mistake, not envd's.
+PATH_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ELOOP})
 
+
+def os_error(e: OSError, path: str) -> RPCError:
     if isinstance(e, FileNotFoundError):
         return RPCError("not_found", f"path '{path}' not found")
     if isinstance(e, FileExistsError):
@@ -184,6 +187,8 @@ def os_error(e: OSError, path: str) -> RPCError:
         return RPCError("invalid_argument", f"path '{path}' is a directory")
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return RPCError("resource_exhausted", f"not enough space: {e}")
+    if e.errno in PATH_ERRNOS:
+        return RPCError("invalid_argument", f"path '{path}': {e.strerror}")
     return RPCError("internal", f"{path}: {e.strerror or e}")
 
 
@@ -247,7 +252,10 @@ class Filesystem:
         raw = as_str(msg.get(name), name)
         if not raw:
             raise RPCError("invalid_argument", f"{name} is required")
-        return resolve_path(raw, ctx.user)
+        try:
+            return resolve_path(raw, ctx.user)
+        except ValueError as e:
+            raise RPCError("invalid_argument", f"{name}: {e}") from None
 
     def _entry(self, path: str) -> Msg:
         try:

@@ -7,12 +7,14 @@ Connect streams, input, exit) is ``child.Proc``'s.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
 from .child import Proc, Subscriber, close_quiet, wait_thread
+from .envrules import env_problem
 from .rpc import Ctx, Method, Msg, RPCError, Send, as_bool, as_int, as_msg, as_str, b64d
 from .terminal import notify_winch, set_ctty, set_winsize
 
@@ -67,9 +69,15 @@ class ProcessManager:
         envs = as_msg(pcfg.get("envs"), "process.envs")
         if not all(isinstance(v, str) for v in envs.values()):
             raise RPCError("invalid_argument", "process.envs values must be strings")
+        problem = env_problem(envs, "process.envs")
+        if problem:
+            raise RPCError("invalid_argument", problem)
         cwd_in = pcfg.get("cwd")
         user = ctx.user
-        cwd = self.state.workdir(user, as_str(cwd_in, "cwd") if cwd_in else None)
+        try:
+            cwd = self.state.workdir(user, as_str(cwd_in, "cwd") if cwd_in else None)
+        except ValueError as e:
+            raise RPCError("invalid_argument", f"cwd: {e}") from None
         if not os.path.isdir(cwd):
             raise RPCError("invalid_argument", f"cwd '{cwd}' does not exist")
         tag = msg.get("tag")
@@ -138,7 +146,13 @@ class ProcessManager:
                 raise RPCError("invalid_argument", f"failed to start process: {e}") from None
             except PermissionError as e:
                 raise RPCError("permission_denied", f"failed to start process: {e}") from None
-            except (OSError, subprocess.SubprocessError) as e:
+            except OSError as e:
+                # E2BIG: arguments and environment together past the kernel's bound.
+                code = "invalid_argument" if e.errno == errno.E2BIG else "internal"
+                raise RPCError(code, f"failed to start process: {e}") from None
+            except ValueError as e:  # a NUL byte in cmd or args
+                raise RPCError("invalid_argument", f"failed to start process: {e}") from None
+            except subprocess.SubprocessError as e:
                 raise RPCError("internal", f"failed to start process: {e}") from None
         except BaseException:
             for fd in parent_fds:

@@ -9,6 +9,7 @@ import os
 import signal
 from typing import TYPE_CHECKING
 
+from .envrules import env_problem
 from .httpserver import HTTPError, Request, Response, log, serve_connection
 from .rpc import Method, RPCError, dispatch
 from .state import State, User
@@ -210,6 +211,9 @@ class App:
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items())
         ):
             raise HTTPError(400, "envVars must be an object of strings")
+        problem = env_problem(env_vars) if env_vars is not None else None
+        if problem:
+            raise HTTPError(400, problem)
         user = body.get("defaultUser")
         if user is not None and (
             not isinstance(user, str) or (user and st.users.get(user) is None)

@@ -225,7 +225,11 @@ class State:
 
 
 def resolve_path(path: str, user: User) -> str:
-    """Absolute, normalised path; relative paths and ``~`` resolve against home."""
+    """Absolute, normalised path; relative paths and ``~`` resolve against home.
+
+    ValueError for a path no system call takes (a NUL byte): callers answer a 400."""
+    if "\0" in path:
+        raise ValueError("a path must not contain a NUL byte")
     if path == "~" or path.startswith("~/"):
         path = user.home + path[1:]
     if not path.startswith("/"):

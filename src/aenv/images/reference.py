@@ -127,6 +127,10 @@ def split_reference(text: str) -> tuple[str | None, str, str | None, str | None]
         if not _DOMAIN_RE.match(first):
             raise BadRequest(f"invalid registry in image reference {text!r}")
         registry, s = normalize_registry(first), rest
+        if not _is_domain(registry):
+            # Only its upper case made it a registry (`Host/x`): lower-cased it would read
+            # as a Docker Hub path when printed and parsed again, so it is kept as written.
+            registry = first
     if not _PATH_RE.match(s) or len(s) > 255:
         raise BadRequest(f"invalid image reference {text!r}")
     return registry, s, tag, digest

@@ -26,6 +26,7 @@ forge overlayfs metadata). Unpacking needs root (chown, mknod, trusted xattrs).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import stat
@@ -55,6 +56,21 @@ WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
 _MAX_SYMLINK_HOPS = 40
 _KEPT_XATTRS = ("user.", "security.capability")
+# What the archive's own content provokes (a 300-byte name, a link loop, too many links to
+# one file); any other OSError (ENOSPC, EIO, EPERM) is the node's and stays one.
+_CONTENT_ERRNOS = frozenset(
+    {
+        errno.ENAMETOOLONG,
+        errno.ENOENT,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EEXIST,
+        errno.ELOOP,
+        errno.EINVAL,
+        errno.EMLINK,
+        errno.ENOTEMPTY,
+    }
+)
 
 
 @dataclass
@@ -183,7 +199,12 @@ def extract_tar(fileobj: Reader, dest: Path) -> UnpackStats:
         with tarfile.open(fileobj=fileobj, mode="r|", bufsize=CHUNK) as tf:  # type: ignore[call-overload]
             for member in tf:
                 stats.entries += 1
-                _extract_member(tf, member, root, stats, dir_mtimes)
+                try:
+                    _extract_member(tf, member, root, stats, dir_mtimes)
+                except OSError as e:
+                    if e.errno not in _CONTENT_ERRNOS:
+                        raise
+                    raise InvalidLayer(f"layer entry {member.name!r}: {e.strerror}") from None
     except tarfile.TarError as e:
         raise InvalidLayer(f"layer is not a valid tar archive: {e}") from None
     # Directory mtimes last: creating their entries changed them.
@@ -269,6 +290,8 @@ def _extract_member(
         stats.skipped.append(member.name)
         return
 
+    if member.issym() and not member.linkname:
+        raise InvalidLayer(f"symbolic link {member.name!r} has an empty target")
     if existing is not None:
         _remove(target, existing)
 

@@ -22,6 +22,7 @@ from aenv.orchestrator.context import check_timeout
 
 from ..auth import require_api_key
 from ..deps import SettingsDep
+from ..inputs import EnvVars, Metadata
 from ..models import AutoResume, ErrorBody, NetworkConfig, Sandbox, _Request
 from .builds import BuilderDep
 from .sandboxes import add_timing
@@ -54,8 +55,8 @@ class ColdSandbox(_Request):
     timeout: int | None = Field(default=None, ge=0)
     cpu_count: int | None = Field(default=None, alias="cpuCount", ge=1, le=16)
     memory_mb: int | None = Field(default=None, alias="memoryMB", ge=128, le=65536)
-    metadata: dict[str, str] | None = None
-    env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
+    metadata: Metadata | None = None
+    env_vars: EnvVars | None = Field(default=None, alias="envVars")
     auto_pause: bool | None = Field(default=None, alias="autoPause")
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
     allow_internet_access: bool | None = None

@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Response
+from pydantic import BeforeValidator
 
 from aenv.config import Settings
 from aenv.domain import CreateRequest, SandboxRecord, Timings
@@ -20,12 +21,12 @@ from aenv.orchestrator.context import check_timeout
 from ..auth import require_api_key
 from ..deps import IdempotencyDep, OrchestratorDep, SettingsDep
 from ..idempotency import IdempotencyCache, validate_key
-from ..listing import Cursor, aware, paginate, parse_metadata_filter, parse_states
+from ..listing import Cursor, aware, paginate, parse_metadata_filter, parse_states, rfc3339
 from ..models import (
+    LIFECYCLE_ERRORS,
     ApiState,
     ConnectSandbox,
     ConnectSandboxV2,
-    ErrorBody,
     ListedSandbox,
     NetworkConfig,
     NetworkUpdate,
@@ -40,11 +41,9 @@ from ..models import (
     api_state,
 )
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorBody} for status in (400, 401, 404, 409, 500)
-}
-
-router = APIRouter(tags=["sandboxes"], dependencies=[Depends(require_api_key)], responses=_ERRORS)
+router = APIRouter(
+    tags=["sandboxes"], dependencies=[Depends(require_api_key)], responses=LIFECYCLE_ERRORS
+)
 
 NEXT_TOKEN_HEADER = "x-next-token"
 SERVER_TIMING_HEADER = "Server-Timing"
@@ -189,7 +188,9 @@ async def list_sandboxes_v2(
     metadata: Annotated[str | None, Query(description="urlencoded k=v&k2=v2")] = None,
     state: Annotated[list[str] | None, Query(description="running,paused")] = None,
     template: Annotated[str | None, Query()] = None,
-    started_after: Annotated[datetime | None, Query(alias="startedAfter")] = None,
+    started_after: Annotated[
+        datetime | None, Query(alias="startedAfter"), BeforeValidator(rfc3339)
+    ] = None,
     order: Annotated[Literal["asc", "desc"], Query()] = "desc",
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     next_token: Annotated[str | None, Query(alias="nextToken")] = None,

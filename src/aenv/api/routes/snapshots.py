@@ -17,14 +17,14 @@ from aenv.errors import BadRequest, NotFound
 from ..auth import require_api_key
 from ..deps import OrchestratorDep
 from ..listing import Cursor, paginate
-from ..models import ErrorBody, Sandbox, _Request, _Response
+from ..models import LIFECYCLE_ERRORS, ErrorBody, Sandbox, _Request, _Response
 from .builds import BuilderDep, TemplateBuild
 from .sandboxes import NEXT_TOKEN_HEADER, add_timing
 
 router = APIRouter(
     tags=["snapshots"],
     dependencies=[Depends(require_api_key)],
-    responses={s: {"model": ErrorBody} for s in (400, 401, 404, 409, 500)},
+    responses=LIFECYCLE_ERRORS,
 )
 
 
