@@ -87,7 +87,7 @@ class Booter:
             disk_mb=self.ctx.settings.default_disk_mb,
             state=SandboxState.CREATING,
             envd_version=ENVD_VERSION,
-            envd_access_token=secrets.token_urlsafe(24) if req.secure else "",
+            envd_access_token=envd_token(),
             metadata=dict(req.metadata),
             env_vars=dict(req.env_vars),
             auto_pause=req.auto_pause,
@@ -316,6 +316,12 @@ class Booter:
         r.layers = new
         await self.table.save(r)
         log.info("sandbox %s: %d layers squashed into %s", r.sandbox_id, len(run), merged)
+
+
+def envd_token() -> str:
+    """A new sandbox's envd access token. Every sandbox has one (whatever the request's
+    `secure`): without it whoever knows the id runs commands, or re-keys it via /init."""
+    return secrets.token_urlsafe(24)
 
 
 def traffic_token(req: CreateRequest) -> str:

@@ -12,7 +12,7 @@ from datetime import timedelta
 
 from ..domain import CreateRequest, SandboxRecord, SandboxState, TemplateRecord, Timings
 from ..errors import AenvError
-from .boot import Booter, traffic_token
+from .boot import Booter, envd_token, traffic_token
 from .bootsnaps import BootSnapshots
 from .context import NodeContext
 from .table import SandboxTable
@@ -54,7 +54,7 @@ class WarmPool:
         w.alias = alias
         w.metadata = dict(req.metadata)
         w.env_vars = dict(req.env_vars)
-        w.envd_access_token = secrets.token_urlsafe(24) if req.secure else ""
+        w.envd_access_token = envd_token()
         w.auto_pause, w.auto_pause_memory = req.auto_pause, req.auto_pause_memory
         w.auto_resume, w.egress = req.auto_resume, replace(req.egress)
         w.traffic_access_token = traffic_token(req)
