@@ -58,6 +58,7 @@ def check_tls(settings: Settings) -> None:
 
 def serve(settings: Settings) -> None:
     from .api.app import create_app
+    from .proxy.ws import SERVER_OPTIONS as WS_SERVER_OPTIONS
 
     logging.basicConfig(
         level=logging.INFO,
@@ -82,6 +83,7 @@ def serve(settings: Settings) -> None:
         date_header=False,
         ssl_certfile=settings.tls_cert,
         ssl_keyfile=settings.tls_key,
+        **WS_SERVER_OPTIONS,
     )
     print(f"aenv: serving on {settings.url} (home {settings.home})", file=sys.stderr)
     uvicorn.Server(config).run()

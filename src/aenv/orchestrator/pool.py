@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
