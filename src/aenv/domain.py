@@ -191,7 +191,6 @@ class CreateRequest:
     auto_pause: bool = False
     auto_pause_memory: bool = True
     auto_resume: bool = False
-    secure: bool = True
     egress: EgressPolicy = field(default_factory=EgressPolicy)
     # False: requests to the sandbox's own ports need its traffic access token.
     public_traffic: bool = True

@@ -1,4 +1,10 @@
-"""Small file-system primitives shared by the stores: locks, durability, removal."""
+"""Small file-system primitives shared by the stores: locks, durability, removal, and the
+modes that keep the node's state to root.
+
+Everything under $AENV_HOME is root's: catalogs holding envd tokens, key files, and the trees
+a sandbox writes (layers, uppers), where it can plant a set-uid root binary or a device node.
+The home and its state directories are 0700 and the secret/state files 0600, tightened on
+every start for homes made before (`private_tree`), so no other host user reaches any of it."""
 
 from __future__ import annotations
 
@@ -6,8 +12,14 @@ import contextlib
 import fcntl
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
+
+PRIVATE_DIR = 0o700
+PRIVATE_FILE = 0o600
+# What SQLite keeps beside a database (the WAL holds recent rows, tokens included).
+_SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")
 
 
 @contextlib.contextmanager
@@ -15,7 +27,7 @@ def flock(path: Path) -> Iterator[None]:
     """An exclusive flock on `path` (created if missing), held for the block: serialises
     processes that fill one machine-wide cache entry."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -69,3 +81,60 @@ def rmtree(path: Path | str) -> None:
 
     if path.exists():
         shutil.rmtree(path, onerror=onerror)
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory only root enters (created with its parents if missing; an
+    existing one is tightened, never loosened)."""
+    path.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
+    _tighten(path, PRIVATE_DIR)
+    return path
+
+
+def private_sqlite(path: Path) -> Path:
+    """Readies `path` for sqlite3.connect as a database only root reads: created 0600 if
+    missing (SQLite gives its -wal and -shm files the database's mode), and the database and
+    its side files of an older home tightened."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, PRIVATE_FILE))
+    for p in (path, *(path.with_name(path.name + side) for side in _SQLITE_SIDE_FILES)):
+        _tighten(p, PRIVATE_FILE)
+    return path
+
+
+def private_tree(root: Path, *, whole: tuple[str, ...] = ()) -> None:
+    """Makes `root` (a state directory: $AENV_HOME, a snapshot repository) 0700 and tightens
+    what lies directly in it, directories to 0700 and files to 0600, and the files of the
+    subdirectories named in `whole` (secrets) as well. The root alone keeps other users out;
+    the rest holds should it ever be loosened. Deeper trees (layers, uppers) keep their modes:
+    they are what sandboxes see."""
+    private_dir(root)
+    for entry in _entries(root):
+        if entry.is_dir(follow_symlinks=False):
+            _tighten(Path(entry.path), PRIVATE_DIR)
+            if entry.name in whole:
+                for inner in _entries(Path(entry.path)):
+                    if inner.is_file(follow_symlinks=False):
+                        _tighten(Path(inner.path), PRIVATE_FILE)
+        elif entry.is_file(follow_symlinks=False):
+            _tighten(Path(entry.path), PRIVATE_FILE)
+
+
+def _entries(d: Path) -> list[os.DirEntry[str]]:
+    with os.scandir(d) as it:
+        return list(it)
+
+
+def _tighten(path: Path, mode: int) -> None:
+    """Drops the bits of `path`'s mode beyond `mode` (a missing path or a symlink is left
+    alone; a mount point that refuses chmod, e.g. read-only, too)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        return
+    current = stat.S_IMODE(st.st_mode)
+    if current & ~mode:
+        with contextlib.suppress(OSError):
+            os.chmod(path, current & mode)

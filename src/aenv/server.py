@@ -10,6 +10,7 @@ import uvicorn
 
 from .config import Settings
 from .errors import AenvError
+from .fsutil import private_tree
 from .orchestrator import Orchestrator
 from .orchestrator.catalog import Catalog
 from .orchestrator.durable import Durable
@@ -19,12 +20,18 @@ from .snapshots import SnapshotStore, open_repository
 log = logging.getLogger("aenv.server")
 
 
+def prepare_home(settings: Settings) -> None:
+    """Nothing in the home is for other host users: 0700 with its state directories, its
+    files 0600 (a home made by an older aenv is tightened)."""
+    private_tree(settings.home, whole=(settings.secrets_dir.name,))
+
+
 def build_orchestrator(settings: Settings) -> Orchestrator:
     from .images.layers import LayerStore
     from .runtime.bundle import ensure_bundle
     from .runtime.gvisor import GVisorRuntime
 
-    settings.home.mkdir(parents=True, exist_ok=True)
+    prepare_home(settings)
     catalog = Catalog(settings.catalog_path)
     layers = LayerStore(settings)
     bundle = ensure_bundle(settings)
@@ -58,6 +65,7 @@ def check_tls(settings: Settings) -> None:
 
 def serve(settings: Settings) -> None:
     from .api.app import create_app
+    from .proxy.ws import SERVER_OPTIONS as WS_SERVER_OPTIONS
 
     logging.basicConfig(
         level=logging.INFO,
@@ -82,6 +90,7 @@ def serve(settings: Settings) -> None:
         date_header=False,
         ssl_certfile=settings.tls_cert,
         ssl_keyfile=settings.tls_key,
+        **WS_SERVER_OPTIONS,
     )
     print(f"aenv: serving on {settings.url} (home {settings.home})", file=sys.stderr)
     uvicorn.Server(config).run()

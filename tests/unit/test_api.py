@@ -81,7 +81,7 @@ class FakeOrchestrator:
             env_vars=dict(req.env_vars),
             auto_pause=req.auto_pause,
             auto_resume=req.auto_resume,
-            envd_access_token="secret" if req.secure else "",
+            envd_access_token="secret",
             traffic_access_token="" if req.public_traffic else "traffic-secret",
         )
         self._time(timings)
@@ -440,7 +440,6 @@ async def test_create_v2_shape_and_mapping(
         auto_pause=True,
         auto_pause_memory=False,
         auto_resume=True,
-        secure=True,
         egress=EgressPolicy(allow_internet=False, allow_out=["203.0.113.7/32"]),
         public_traffic=False,
         mask_request_host="localhost:${PORT}",
@@ -450,16 +449,15 @@ async def test_create_v2_shape_and_mapping(
 async def test_create_defaults(client: httpx.AsyncClient, orch: FakeOrchestrator) -> None:
     r = await client.post("/v2/sandboxes", json={"templateID": "base"})
     assert r.status_code == 201
-    assert orch.requests[-1] == CreateRequest(template_id="base", secure=True)
-    # v1: secure only when asked (AgentENV); an insecure sandbox has no envdAccessToken.
-    r = await client.post("/sandboxes", json={"templateID": "base", "timeout": 60})
-    assert r.status_code == 201
-    assert orch.requests[-1] == CreateRequest(template_id="base", timeout=60, secure=False)
-    assert "envdAccessToken" not in r.json()
-    assert r.json()["trafficAccessToken"] is None
-    r = await client.post("/sandboxes", json={"templateID": "base", "secure": True})
-    assert orch.requests[-1].secure is True
+    assert orch.requests[-1] == CreateRequest(template_id="base")
     assert r.json()["envdAccessToken"] == "secret"
+    # v1: `secure` (AgentENV's) changes nothing; every sandbox's envd wants a token.
+    for extra in ({}, {"secure": False}, {"secure": True}):
+        r = await client.post("/sandboxes", json={"templateID": "base", "timeout": 60, **extra})
+        assert r.status_code == 201
+        assert orch.requests[-1] == CreateRequest(template_id="base", timeout=60)
+        assert r.json()["envdAccessToken"] == "secret"
+        assert r.json()["trafficAccessToken"] is None
 
 
 async def test_create_accepts_chunked_body(client: httpx.AsyncClient) -> None:

@@ -120,7 +120,8 @@ class NewSandboxV2(_Request):
 
 
 class NewSandbox(NewSandboxV2):
-    """Body of v1 `POST /sandboxes`: v2 plus `secure` (AgentENV decides envd auth with it)."""
+    """Body of v1 `POST /sandboxes`: v2 plus `secure`, accepted for AgentENV's clients but
+    ignored (every sandbox gets an envd access token)."""
 
     secure: bool | None = None
 

@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 from ..errors import BadRequest, Forbidden
+from ..fsutil import private_dir
 from .spec import FILES_HASH_RE
 
 UPLOAD_TTL = 3600.0
@@ -55,7 +56,7 @@ class BuildFiles:
 
     # --- storing ---
     def staging(self) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
+        private_dir(self.root)  # users' build contexts: for root alone
         return self.root / f".upload-{uuid.uuid4().hex}"
 
     def commit(self, staged: Path, files_hash: str) -> None:

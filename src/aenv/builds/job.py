@@ -228,7 +228,6 @@ class BuildJob:
             metadata={META_BUILD: b.build_id, "aenv.template": b.template_id},
             cpu_count=b.cpu_count,
             memory_mb=b.memory_mb,
-            secure=True,
         )
         rec = await self.images.boot(step_stack, req)
         self.ab.sandboxes.add(rec.sandbox_id)

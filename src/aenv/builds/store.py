@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadRequest
+from ..fsutil import private_sqlite
 from .spec import BuildSpec, parse_spec
 
 _SCHEMA = """
@@ -144,7 +145,7 @@ def _from_row(row: tuple[Any, ...]) -> BuildRecord:
 
 class BuildStore:
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_sqlite(path)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ..config import ImageSettings
 from ..errors import NotFound
-from ..fsutil import rmtree
+from ..fsutil import private_sqlite, rmtree
 from .layers import LayerInfo, LayerStore, parse_digest
 
 _SCHEMA = """
@@ -81,7 +81,8 @@ class LayerCache:
 
     @contextlib.contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
-        self.db_path.parent.mkdir(parents=True, exist_ok=True)
+        if not self._ready:
+            private_sqlite(self.db_path)
         conn = sqlite3.connect(self.db_path, timeout=60, isolation_level=None)
         try:
             if not self._ready:

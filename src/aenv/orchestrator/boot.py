@@ -87,7 +87,7 @@ class Booter:
             disk_mb=self.ctx.settings.default_disk_mb,
             state=SandboxState.CREATING,
             envd_version=ENVD_VERSION,
-            envd_access_token=secrets.token_urlsafe(24) if req.secure else "",
+            envd_access_token=envd_token(),
             metadata=dict(req.metadata),
             env_vars=dict(req.env_vars),
             auto_pause=req.auto_pause,
@@ -110,7 +110,7 @@ class Booter:
             sandbox_id=r.sandbox_id,
             layers=layers,
             args=self.bundle.init_args(port=ENVD_PORT),
-            env=self.bundle.init_env(),
+            env=self.bundle.init_env(access_token=r.envd_access_token),
             mounts=[self.bundle.mount()],
             cpu_count=r.cpu_count,
             memory_mb=r.memory_mb,
@@ -138,7 +138,8 @@ class Booter:
         """Starts the sandbox's container (fresh, or restored from `image`) and readies envd.
 
         `init_from` is the access token the restored envd still holds (it must authorise
-        its own re-initialisation); `init=False` skips /init for a plain resume."""
+        its own re-initialisation; a fresh one holds the record's, from the spec);
+        `init=False` skips /init for a plain resume."""
         if r.upper is not None:
             await asyncio.to_thread(
                 self.storage.ensure_upper, r.sandbox_id, Path(r.upper), r.disk_mb
@@ -163,8 +164,9 @@ class Booter:
             with t.stage("envd-ready"):
                 await self.envd.wait_ready(inst.address, ENVD_PORT)
             if init:
+                current = init_from if image is not None else (r.envd_access_token or None)
                 with t.stage("envd-init"):
-                    await self.init_envd(r, current_token=init_from)
+                    await self.init_envd(r, current_token=current)
         except BaseException as e:
             if inst is not None:
                 await self.destroy_quietly(inst)
@@ -223,6 +225,8 @@ class Booter:
             mem=mem,
             layers=None if boot is None else boot.layers,
         )
+        if boot is not None and boot.envd_token:
+            r.envd_access_token = boot.envd_token  # what the restored envd holds
         self.table.add(r)
         try:
             await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, r.layers)
@@ -243,7 +247,7 @@ class Booter:
         otherwise ~45 ms slower (envd's process code and bash's files are read through
         gVisor's gofer for the first time). Best effort: an image without bash just skips."""
         assert r.instance is not None
-        rpc = self.envd.rpc(r.instance.address, ENVD_PORT, "")
+        rpc = self.envd.rpc(r.instance.address, ENVD_PORT, r.envd_access_token)
         try:
             await rpc.run("/bin/bash", ["-l", "-c", "true"], user=r.boot.user, timeout=10)
         except Exception as e:
@@ -316,6 +320,12 @@ class Booter:
         r.layers = new
         await self.table.save(r)
         log.info("sandbox %s: %d layers squashed into %s", r.sandbox_id, len(run), merged)
+
+
+def envd_token() -> str:
+    """A new sandbox's envd access token. Every sandbox has one (whatever the request's
+    `secure`): without it whoever knows the id runs commands, or re-keys it via /init."""
+    return secrets.token_urlsafe(24)
 
 
 def traffic_token(req: CreateRequest) -> str:

@@ -26,6 +26,7 @@ from ..domain import (
     SandboxState,
     TemplateRecord,
 )
+from ..fsutil import private_sqlite
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -93,7 +94,7 @@ def _doc_to_record(doc: str) -> SandboxRecord:
 
 class Catalog:
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_sqlite(path)  # it holds envd and traffic tokens
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")

@@ -67,7 +67,6 @@ class Forker:
                 auto_pause=parent.auto_pause,
                 auto_pause_memory=parent.auto_pause_memory,
                 auto_resume=parent.auto_resume,
-                secure=bool(parent.envd_access_token),
                 egress=replace(parent.egress),
                 public_traffic=not parent.traffic_access_token,
                 mask_request_host=parent.mask_request_host,

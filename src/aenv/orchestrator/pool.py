@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 from ..domain import CreateRequest, SandboxRecord, SandboxState, TemplateRecord, Timings
 from ..errors import AenvError
-from .boot import Booter, traffic_token
+from .boot import Booter, envd_token, traffic_token
 from .bootsnaps import BootSnapshots
 from .context import NodeContext
 from .table import SandboxTable
@@ -54,7 +53,7 @@ class WarmPool:
         w.alias = alias
         w.metadata = dict(req.metadata)
         w.env_vars = dict(req.env_vars)
-        w.envd_access_token = secrets.token_urlsafe(24) if req.secure else ""
+        held, w.envd_access_token = w.envd_access_token, envd_token()
         w.auto_pause, w.auto_pause_memory = req.auto_pause, req.auto_pause_memory
         w.auto_resume, w.egress = req.auto_resume, replace(req.egress)
         w.traffic_access_token = traffic_token(req)
@@ -65,7 +64,7 @@ class WarmPool:
                 with t.stage("egress"):
                     await self.booter.apply_egress(w)
             with t.stage("pool-init"):
-                await self.booter.init_envd(w)
+                await self.booter.init_envd(w, current_token=held or None)
         except Exception:
             log.exception("a pre-booted sandbox could not be initialised; booting a new one")
             self.table.discard(w.sandbox_id)

@@ -85,7 +85,8 @@ class Sandboxes:
                     image = await self.templates.image_of(tpl)
                 await self.booter.boot(r, t, image=image, init_from=tpl.envd_token or None)
             elif boot is not None:
-                await self.booter.boot(r, t, image=self.templates.local_image(boot))
+                image = self.templates.local_image(boot)
+                await self.booter.boot(r, t, image=image, init_from=boot.envd_token or None)
             else:
                 await self.booter.boot(r, t)
         except BaseException:

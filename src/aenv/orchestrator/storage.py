@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 from ..config import Settings
+from ..fsutil import private_dir
 from ..images.cache import LayerCache, holder
 from ..images.layers import LayerStore
 from ..runtime.disks import Disks
@@ -32,8 +33,9 @@ class SandboxStorage:
         self.layers = layers
         # Who holds which layer (sandboxes, templates): held layers are never evicted.
         self.refs = LayerCache(layers)
-        settings.rw_dir.mkdir(parents=True, exist_ok=True)
-        settings.images_dir.mkdir(parents=True, exist_ok=True)
+        # Sandboxes' own files and memory: for root alone (fsutil's docstring).
+        private_dir(settings.rw_dir)
+        private_dir(settings.images_dir)
         self.disks = (
             Disks(settings.disks_dir, settings.rw_dir, spares=settings.disk_spares)
             if settings.disk_limits

@@ -3,10 +3,18 @@
 The upstream handshake goes first so that the client gets what the sandbox decided: the
 subprotocol it picked, its extra response headers (cookies...), or its refusal (status,
 headers and body, through the ASGI denial-response extension). No compression on the
-sandbox leg (it is local; the ASGI server negotiates compression with the client on its own),
-no message size limit on it, and no pings from the proxy (the ASGI server pings the client).
-Close codes and reasons are passed on in both directions; the codes that may not appear in a
-close frame become 1000 (1005, no status) or 1014/1001 (an abnormal end).
+sandbox leg (it is local; the ASGI server negotiates compression with the client on its own)
+and no pings from the proxy (the ASGI server pings the client). Close codes and reasons are
+passed on in both directions; the codes that may not appear in a close frame become 1000
+(1005, no status) or 1014/1001 (an abnormal end).
+
+What a sandbox sends is untrusted, and so is a client that stops reading: the server's memory
+per connection is bounded both ways. A message over `MAX_MESSAGE` closes both legs with 1009
+(the websockets client refuses it from the frame header on, before buffering it; the ASGI
+server does the same for clients with `SERVER_OPTIONS`). Each direction reads its next message
+only once the last one was written out: the sandbox leg stops reading from its socket after
+`max_queue` frames nobody took, the ASGI send waits for the client's socket to drain, and
+`upstream.send` waits for the sandbox's.
 """
 
 from __future__ import annotations
@@ -54,6 +62,13 @@ _RESPONSE_DROP = frozenset(
         "server",
     }
 )
+# The largest message either leg takes (uvicorn's default for clients, and what it is set to).
+MAX_MESSAGE = 16 * 1024 * 1024
+# Frames the sandbox leg buffers before it stops reading from the sandbox.
+MAX_QUEUE = 4
+# The options of the ASGI server (uvicorn) that bound the client leg alike: the websockets
+# sans-I/O protocol reads one message at a time and its send waits for the socket to drain.
+SERVER_OPTIONS: dict[str, Any] = {"ws": "websockets-sansio", "ws_max_size": MAX_MESSAGE}
 _SENDABLE = frozenset({1000, 1001, 1002, 1003, 1007, 1008, 1009, 1010, 1011, 1012, 1013, 1014})
 
 
@@ -91,11 +106,13 @@ class WebSocketForwarder:
         connect_timeout: float = 5.0,
         handshake_timeout: float = 30.0,
         close_timeout: float = 5.0,
-        max_queue: int = 16,
+        max_size: int = MAX_MESSAGE,
+        max_queue: int = MAX_QUEUE,
     ) -> None:
         self.connect_timeout = connect_timeout
         self.handshake_timeout = handshake_timeout
         self.close_timeout = close_timeout
+        self.max_size = max_size
         self.max_queue = max_queue
 
     async def forward(self, scope: Scope, receive: Receive, send: Send, target: Target) -> None:
@@ -144,7 +161,7 @@ class WebSocketForwarder:
                 host_header=host_header,
                 subprotocols=subprotocols or None,
                 extensions=None,
-                max_size=None,
+                max_size=self.max_size,
             )
         except Exception as exc:  # a request target websockets will not send
             await deny_websocket_json(scope, send, 400, {"code": 400, "message": str(exc)})
@@ -211,10 +228,14 @@ class WebSocketForwarder:
                     kind = message["type"]
                     if kind == "websocket.receive":
                         data = message.get("bytes")
-                        if data is not None:
-                            await upstream.send(data)
-                        else:
-                            await upstream.send(message.get("text") or "")
+                        if data is None:
+                            data = message.get("text") or ""
+                        if len(data) > self.max_size:  # an ASGI server without the bound
+                            client_closed = True
+                            await upstream.close(1009, "message too big")
+                            await _close_client(send, 1009, "message too big")
+                            return
+                        await upstream.send(data)
                     elif kind == "websocket.disconnect":
                         client_closed = True
                         code = _close_code(message.get("code"), abnormal=1001)
@@ -233,19 +254,19 @@ class WebSocketForwarder:
                     else:
                         await send({"type": "websocket.send", "bytes": data})
             except ConnectionClosed as exc:
-                code, reason = (exc.rcvd.code, exc.rcvd.reason) if exc.rcvd else (None, "")
+                if exc.rcvd is not None:
+                    code, reason = exc.rcvd.code, exc.rcvd.reason
+                elif exc.sent is not None and exc.sent.code in (1002, 1007, 1009):
+                    # We failed the sandbox leg (a message over max_size, bad UTF-8, a
+                    # protocol error): the client learns why.
+                    code, reason = exc.sent.code, exc.sent.reason
+                else:
+                    code, reason = None, ""
             except OSError:
                 return  # the client is gone
             if not client_closed:
                 client_closed = True
-                with contextlib.suppress(OSError):
-                    await send(
-                        {
-                            "type": "websocket.close",
-                            "code": _close_code(code, abnormal=1014),
-                            "reason": reason,
-                        }
-                    )
+                await _close_client(send, _close_code(code, abnormal=1014), reason)
 
         down = asyncio.ensure_future(client_to_upstream())
         up = asyncio.ensure_future(upstream_to_client())
@@ -259,3 +280,8 @@ class WebSocketForwarder:
             for task in (down, up):
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+
+
+async def _close_client(send: Send, code: int, reason: str) -> None:
+    with contextlib.suppress(OSError):
+        await send({"type": "websocket.close", "code": code, "reason": reason})

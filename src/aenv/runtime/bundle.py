@@ -50,6 +50,9 @@ from .base import Mount
 
 MOUNT = "/opt/aenv"
 DEFAULT_PORT = ENVD_PORT
+# envd's start-up access token (envd/state.py: ENV_PREFIX + "ACCESS_TOKEN"); envd keeps it
+# from the processes it starts.
+ACCESS_TOKEN_ENV = "AENV_ENVD_ACCESS_TOKEN"
 APP_PACKAGE = "aenv_envd"
 # Bump when the layout or the trimming rules change.
 BUNDLE_FORMAT = 1
@@ -109,9 +112,13 @@ class EnvdBundle:
         """argv of the sandbox's first process (envd), inside the sandbox."""
         return self.python_args("-m", APP_PACKAGE, "--port", str(port))
 
-    def init_env(self) -> dict[str, str]:
-        """Environment of envd inside the sandbox."""
-        return self.python_env(MOUNT)
+    def init_env(self, access_token: str = "") -> dict[str, str]:
+        """Environment of envd inside the sandbox; `access_token` is in force from envd's
+        first request (nothing reaches a fresh sandbox's envd before the node's /init)."""
+        env = self.python_env(MOUNT)
+        if access_token:
+            env[ACCESS_TOKEN_ENV] = access_token
+        return env
 
     def mount(self) -> Mount:
         return Mount(source=self.host_path, destination=MOUNT, readonly=True)

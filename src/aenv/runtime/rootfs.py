@@ -14,6 +14,10 @@ Two modes, chosen per sandbox by `SandboxSpec.upper`:
   distinct stack under `$AENV_HOME/mnt/<key>`, shared by refcount (`RootfsMounts`). Writes
   land in the sentry's memory overlay (and in checkpoints).
 
+Both are mounted `nosuid,nodev` (`HOST_OPTIONS`): the files are the sandbox's, and the host
+must never honour a set-id bit or device node it planted. gVisor implements set-id and devices
+inside the sandbox itself, from the file modes, so the sandbox sees no difference.
+
 runsc's sandbox and gofer processes pivot into mount namespaces of their own that hold only
 what they serve, so an unmounted stack does not linger in other sandboxes (checked: after an
 unmount no process on the host has the overlay in its mountinfo).
@@ -80,6 +84,8 @@ def _lowerdir(layers: list[Path], reserve: int = 0) -> tuple[str, str | None]:
     return lower, cwd
 
 
+# Options of every overlay aenv mounts on the host (see the module's docstring).
+HOST_OPTIONS = "nosuid,nodev"
 # Options of a writable sandbox overlay: no redirects, metacopy or index, so that the upper,
 # once sealed, is an ordinary layer (full copies, whiteouts, opaque dirs) valid in any stack.
 WRITABLE_OPTIONS = "redirect_dir=off,metacopy=off,index=off"
@@ -112,8 +118,8 @@ async def mount_writable(layers: list[Path], upper: Path, work: Path, target: Pa
             raise RuntimeFailure(f"work dir {work} is not on the filesystem of {upper}")
 
     await asyncio.to_thread(prepare)
-    lower, cwd = _lowerdir(layers, reserve=len(str(upper)) + len(str(work)) + 64)
-    opts = f"lowerdir={lower},upperdir={upper},workdir={work},{WRITABLE_OPTIONS}"
+    lower, cwd = _lowerdir(layers, reserve=len(str(upper)) + len(str(work)) + 80)
+    opts = f"{HOST_OPTIONS},lowerdir={lower},upperdir={upper},workdir={work},{WRITABLE_OPTIONS}"
     try:
         await _proc.run(["mount", "-t", "overlay", "aenv-sbx", "-o", opts, str(target)], cwd=cwd)
     except BaseException:
@@ -195,10 +201,8 @@ class RootfsMounts:
         if await asyncio.to_thread(_is_mount_point, target):
             return  # left over from before a restart, same stack (same key): reuse
         lower, cwd = _lowerdir(layers)
-        await _proc.run(
-            ["mount", "-t", "overlay", "aenv-rootfs", "-o", f"ro,lowerdir={lower}", str(target)],
-            cwd=cwd,
-        )
+        opts = f"ro,{HOST_OPTIONS},lowerdir={lower}"
+        await _proc.run(["mount", "-t", "overlay", "aenv-rootfs", "-o", opts, str(target)], cwd=cwd)
 
     def adopt(self, key: str, owner: str) -> None:
         """Records a reference held by a sandbox recovered after a restart."""

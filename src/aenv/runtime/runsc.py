@@ -29,7 +29,9 @@ from aenv.runtime import _proc
 log = logging.getLogger("aenv.runtime")
 
 # `unshare` runs this with argv[0] = the runsc binary and the rest = runsc's arguments.
-_NETNS_FIX = 'mount -t tmpfs -o size=4k,mode=555 gvfix /proc/sys/net && exec "$0" "$@"'
+_NETNS_FIX = (
+    'mount -t tmpfs -o size=4k,mode=555,nosuid,nodev,noexec gvfix /proc/sys/net && exec "$0" "$@"'
+)
 _NETNS_FIX_WRAPPER = ["unshare", "-m", "--propagation", "slave", "/bin/sh", "-c", _NETNS_FIX]
 
 # Commands that create a sandbox and so configure its network from the netns.

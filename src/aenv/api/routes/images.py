@@ -61,7 +61,7 @@ class ColdSandbox(_Request):
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
     allow_internet_access: bool | None = None
     network: NetworkConfig | None = None
-    secure: bool | None = None
+    secure: bool | None = None  # ignored: every sandbox gets an envd access token
     registry: RegistryAuth | None = None
     # Start the image's Entrypoint+Cmd as a background process once the sandbox runs.
     start_entrypoint: bool = Field(default=False, alias="startEntrypoint")
@@ -93,7 +93,6 @@ async def create_cold(
         memory_mb=body.memory_mb,
         auto_pause=bool(body.auto_pause),
         auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
-        secure=body.secure is not False,
         egress=network.policy(body.allow_internet_access),
         public_traffic=network.allow_public_traffic is not False,
         mask_request_host=network.mask_request_host or None,

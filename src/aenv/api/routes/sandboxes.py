@@ -83,7 +83,6 @@ def _listed(records: list[SandboxRecord], wanted: set[str]) -> list[tuple[Sandbo
 async def _create(
     body: NewSandboxV2,
     *,
-    secure: bool,
     key: str | None,
     response: Response,
     orchestrator: Orchestrator,
@@ -103,7 +102,6 @@ async def _create(
         auto_pause=bool(body.auto_pause),
         auto_pause_memory=body.auto_pause_memory is not False,
         auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
-        secure=secure,
         egress=network.policy(body.allow_internet_access),
         public_traffic=network.allow_public_traffic is not False,
         mask_request_host=network.mask_request_host or None,
@@ -135,10 +133,9 @@ async def create_sandbox_v1(
     idempotency: IdempotencyDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Sandbox:
-    # v1 sandboxes are secure (envd needs the access token) only when asked, as in AgentENV.
+    # `secure` is accepted and ignored: every sandbox's envd wants its access token.
     return await _create(
         body,
-        secure=body.secure is True,
         key=idempotency_key,
         response=response,
         orchestrator=orchestrator,
@@ -158,7 +155,6 @@ async def create_sandbox_v2(
 ) -> Sandbox:
     return await _create(
         body,
-        secure=True,
         key=idempotency_key,
         response=response,
         orchestrator=orchestrator,

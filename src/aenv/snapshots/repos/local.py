@@ -3,7 +3,8 @@
 Writes go to ``<root>/.tmp`` first (same filesystem), are fsynced, renamed into place, and
 the parent directory is fsynced, so a crash (kill -9, power loss) leaves either the old
 object or the complete new one. Objects are made read-only (0444): other parts of the node
-may hard-link them (the image cache does) and must never write through the link.
+may hard-link them (the image cache does) and must never write through the link. The root is
+0700: the objects are sandboxes' files and memory (tokens, set-id binaries), for root only.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ...fsutil import fsync_dir, fsync_file
+from ...fsutil import fsync_dir, fsync_file, private_dir
 from ..errors import ObjectNotFound, RepositoryError
 from .base import CHUNK, HashingFileWriter, ObjectInfo, Repository, check_key, norm_prefix
 
@@ -34,6 +35,7 @@ class LocalRepository(Repository):
         self.root = root
         self.tmp = root / ".tmp"
         self.url = f"file://{root}"
+        self._private = False
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
@@ -44,6 +46,9 @@ class LocalRepository(Repository):
 
     # --- writing ---
     def _tmp_file(self) -> Path:
+        if not self._private:
+            private_dir(self.root)
+            self._private = True
         self.tmp.mkdir(parents=True, exist_ok=True)
         return self.tmp / f"{uuid.uuid4().hex}.part"
 
