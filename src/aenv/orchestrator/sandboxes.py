@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from .. import crashpoint
 from ..domain import CreateRequest, EgressPolicy, SandboxRecord, SandboxState, Timings
 from ..errors import BadRequest, NotFound, Unavailable
 from ..runtime.base import Runtime
@@ -88,6 +89,7 @@ class Sandboxes:
                 await self.booter.boot(r, t, image=self.templates.local_image(boot))
             else:
                 await self.booter.boot(r, t)
+            crashpoint.hit("create.booted")
         except BaseException:
             self.table.discard(r.sandbox_id)
             await self.booter.forget(r)
