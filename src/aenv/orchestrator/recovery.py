@@ -59,7 +59,6 @@ class Recovery:
         records = await self.table.stored()
         keep = {r.instance.id for r in records if r.instance and r.state in _LIVE}
         recovered = await self.runtime.start(keep)
-        await self._drop_fork_snapshots()
         kept: list[SandboxRecord] = []
         for r in records:
             if r.state is SandboxState.KILLED:
@@ -73,6 +72,7 @@ class Recovery:
             self.table.add(r)
             await self.table.save(r)
             kept.append(r)
+        await self._drop_fork_snapshots()  # after: a fork's parent may take its image over
         await self._sweep(kept)
 
     async def _settle(self, r: SandboxRecord, found: Instance | None) -> None:
@@ -138,21 +138,22 @@ class Recovery:
             return True
         upper = Path(r.upper)
         planned = op.layer if op is not None else None
+        if planned is not None and planned not in r.layers and self.storage.layers.has(planned):
+            # Sealed, the record not saved after it: nothing ran on the upper since (the
+            # seal's new one may even have the old one's path).
+            self._add_layer(r, planned, fresh=not upper.is_dir() or any(upper.iterdir()))
+            return True
         if upper.is_dir():
             if seal and any(upper.iterdir()):
-                digest = self.storage.seal(upper, r.sandbox_id, planned)
-                self._add_layer(r, digest)
-            return True
-        if planned is not None and self.storage.layers.has(planned):
-            self._add_layer(r, planned)
+                self._add_layer(r, self.storage.seal(upper, r.sandbox_id, planned), fresh=True)
             return True
         return False
 
-    def _add_layer(self, r: SandboxRecord, digest: str) -> None:
-        if digest not in r.layers:
-            r.layers = [digest, *r.layers]
+    def _add_layer(self, r: SandboxRecord, digest: str, *, fresh: bool) -> None:
+        r.layers = [digest, *r.layers]
         self.storage.hold("sandbox", r.sandbox_id, [digest])
-        r.upper = str(self.storage.new_upper(r.sandbox_id))
+        if fresh:
+            r.upper = str(self.storage.new_upper(r.sandbox_id))
 
     async def _own_image(self, image: str) -> str:
         """A hibernation image of the sandbox's own from the operation's image: a snapshot

@@ -119,6 +119,8 @@ class Snapshotter:
                     await self.runtime.stop(inst)
                 crashpoint.hit("snapshot.stopped")
                 await self.booter.seal(r, t)
+                if kept:  # its new layers and upper (the restore writes into that upper)
+                    await self.table.save(r)
                 crashpoint.hit("snapshot.sealed")
                 back = self._restore(
                     r,
