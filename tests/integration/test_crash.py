@@ -82,13 +82,12 @@ def host(node: Server) -> dict[str, set[str]]:
     home = node.home
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     states = (home / "runsc").glob("*_sandbox:*.state")
-    procs = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     return {
         "containers": {p.name.split("_sandbox:")[0].rsplit("-", 1)[0] for p in states},
         "sandbox processes": {
-            line.split()[-1].rsplit("-", 1)[0]
-            for line in procs.splitlines()
-            if line.startswith("runsc-sandbox") and f"--root={home / 'runsc'}" in line
+            argv[-1].rsplit("-", 1)[0]
+            for argv in map(_cmdline, Path("/proc").glob("[0-9]*"))
+            if argv and argv[0] == "runsc-sandbox" and f"--root={home / 'runsc'}" in argv
         },
         "bundles": {p.name for p in (home / "sandboxes").glob("*") if p.is_dir()},
         "mounts": {
@@ -102,6 +101,13 @@ def host(node: Server) -> dict[str, set[str]]:
         "veths": {n for n in os.listdir("/sys/class/net") if n.startswith(f"{PREFIX}h")},
         "rw": {p.name for p in (home / "rw").glob("*")},
     }
+
+
+def _cmdline(proc: Path) -> list[str]:
+    try:
+        return (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
 
 
 def agrees(node: Server) -> list[dict[str, Any]]:
@@ -132,7 +138,9 @@ def agrees(node: Server) -> list[dict[str, Any]]:
     deadline = time.monotonic() + 60  # deletes of stale containers finish in the background
     while (found := matches()) is not None and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert found is None, f"host {found} vs listed {sorted(ids)} (with a container {holding})"
+    assert node.log_path is not None
+    log = "\n".join(node.log_path.read_text(errors="replace").splitlines()[-40:])
+    assert found is None, f"host {found} vs listed {ids} (with a container {holding})\n{log}"
     return sandboxes
 
 
