@@ -370,3 +370,22 @@ async def test_every_snapshot_reported_created_survives_a_cut_snapshot(tmp_path:
         await back_in_use(h2, r.sandbox_id)
 
     await _both(crash, h2, check)
+
+
+async def test_kill_cut_is_finished(tmp_path: Path) -> None:
+    h = await node(tmp_path)
+    r = await h.orch.create(CreateRequest())
+    other = await h.orch.create(CreateRequest())
+    await h.orch.pause(other.sandbox_id)
+    await h.orch.hibernate(other.sandbox_id)
+    crash = Crash(h, "destroy")
+    h2 = await crash.during(h.orch.kill(r.sandbox_id))
+
+    async def check() -> None:
+        assert [x.sandbox_id for x in h2.orch.list()] == [other.sandbox_id]
+        assert all(x.sandbox_id != r.sandbox_id for x in h2.catalog.sandboxes())
+        agrees(h2)
+        await h2.orch.kill(other.sandbox_id)  # a paused one, its image with it
+        assert list(h2.settings.images_dir.iterdir()) == []
+
+    await _both(crash, h2, check)

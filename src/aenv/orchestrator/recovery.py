@@ -61,8 +61,8 @@ class Recovery:
         recovered = await self.runtime.start(keep)
         kept: list[SandboxRecord] = []
         for r in records:
-            if r.state is SandboxState.KILLED:
-                await self.table.delete(r)
+            if r.state in (SandboxState.KILLING, SandboxState.KILLED):
+                await self._finish_kill(r)
                 continue
             found = recovered.get(r.instance.id) if r.instance else None
             if r.state in _LIVE:
@@ -173,6 +173,14 @@ class Recovery:
             return
         if await self.templates.find(image) is None:
             await asyncio.to_thread(self.storage.remove_image, image)
+
+    async def _finish_kill(self, r: SandboxRecord) -> None:
+        """A kill the crash cut short (its container, not kept, is gone already)."""
+        await self.table.delete(r)
+        await self.booter.forget(r)
+        if r.paused is not None and r.paused.image:
+            await self.templates.drop_image(r.paused.image)
+        log.info("sandbox %s: its kill was cut short; it is gone", r.sandbox_id)
 
     def _lose(self, r: SandboxRecord, why: str) -> None:
         r.state = SandboxState.LOST

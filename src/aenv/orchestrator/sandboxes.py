@@ -121,6 +121,7 @@ class Sandboxes:
             if r.state in _GONE:
                 raise NotFound(f"sandbox {sandbox_id!r} not found")
             r.state = SandboxState.KILLING
+            await self.table.save(r)  # a crash from here: recovery finishes the kill
             if r.instance:
                 await self.booter.destroy_quietly(r.instance)
             r.state = SandboxState.KILLED
