@@ -12,7 +12,8 @@ runtime still holds are made to agree, and what no record owns any more is remov
   files only); running ones are lost, as before.
 * Removed: the upper dirs and layer references of sandboxes the catalog does not know
   (creates and warm-pool boots a crash cut short), leftover generations and overlay work
-  dirs, memory images nothing refers to, and fork snapshots (never seen by anyone).
+  dirs, memory images nothing refers to (what an operation cut short wrote, a snapshot it
+  had not registered), and fork snapshots (never seen by anyone).
 """
 
 from __future__ import annotations
@@ -79,8 +80,7 @@ class Recovery:
         op, r.pending = r.pending, None
         stopped = found is not None and self.runtime.is_stopped(found)
         if found is not None and not stopped and await self._adopt(r, found):
-            if op is not None:
-                await self._drop_unregistered(op.image)
+            if op is not None:  # its image, partial or not registered, goes with the sweep
                 log.info("sandbox %s: its %s was cut short; it goes on", r.sandbox_id, op.kind)
             return
         if found is not None:  # stopped by an operation (kept only for its slot), or broken
@@ -94,7 +94,6 @@ class Recovery:
         image = op.image if op is not None else None
         whole = image is not None and self.runtime.image_complete(self.storage.image_dir(image))
         if not await asyncio.to_thread(self._files_back, r, op, whole):
-            await self._drop_unregistered(image)
             self._lose(r, "its files were not found after the server stopped")
             return
         now = self.ctx.now()
@@ -102,15 +101,10 @@ class Recovery:
             assert image is not None
             r.paused = PausedState(PauseTier.HIBERNATED, now, image=await self._own_image(image))
         else:
-            await self._drop_unregistered(image)
             r.paused = PausedState(PauseTier.FILES, now)
         r.state = SandboxState.PAUSED
-        log.warning(
-            "sandbox %s: %s cut short by the server's stop; it is paused (%s)",
-            r.sandbox_id,
-            f"its {op.kind}" if op is not None else "its container is gone,",
-            r.paused.tier,
-        )
+        what = "its container did not survive" if op is None else f"its {op.kind} was cut short"
+        log.warning("sandbox %s: %s; it is paused (%s)", r.sandbox_id, what, r.paused.tier)
 
     async def _adopt(self, r: SandboxRecord, inst: Instance) -> bool:
         """Takes the surviving container back, frozen if the record is; False if it cannot
@@ -156,23 +150,14 @@ class Recovery:
             r.upper = str(self.storage.new_upper(r.sandbox_id))
 
     async def _own_image(self, image: str) -> str:
-        """A hibernation image of the sandbox's own from the operation's image: a snapshot
-        that was registered keeps its image (hard links share it)."""
+        """A hibernation image of the sandbox's own from the operation's image (hard links:
+        a snapshot that was registered keeps its own; an unregistered one goes with the
+        sweep, once the record names the new one)."""
         if image.startswith("hib-"):
             return image
         name = f"hib-{image}-{secrets.token_hex(4)}"
         await self.templates.link_image(self.storage.image_dir(image), name)
-        await self._drop_unregistered(image)
         return name
-
-    async def _drop_unregistered(self, image: str | None) -> None:
-        """Removes an operation's memory image unless a registered template uses it."""
-        if image is None or image.startswith("hib-"):
-            if image is not None:
-                await asyncio.to_thread(self.storage.remove_image, image)
-            return
-        if await self.templates.find(image) is None:
-            await asyncio.to_thread(self.storage.remove_image, image)
 
     async def _finish_kill(self, r: SandboxRecord) -> None:
         """A kill the crash cut short (its container, not kept, is gone already)."""
