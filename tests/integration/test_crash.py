@@ -90,10 +90,12 @@ def host(node: Server) -> dict[str, set[str]]:
             if argv and argv[0] == "runsc-sandbox" and f"--root={home / 'runsc'}" in argv
         },
         "bundles": {p.name for p in (home / "sandboxes").glob("*") if p.is_dir()},
-        "mounts": {
-            str(p.relative_to(home))
-            for p in mount_points(home)
-            if p.parts[len(home.parts)] in ("sandboxes", "rw")
+        "mounts": {str(p) for p in mount_points(home / "sandboxes")},
+        "disk mounts": {p.name for p in mount_points(home / "rw") if p.parent == home / "rw"},
+        "disks": {
+            p.name.removesuffix(".ext4")
+            for p in (home / "disks").glob("*.ext4")
+            if not p.name.startswith("spare-")
         },
         "netns": {
             n.split()[0] for n in netns.splitlines() if n.split() and n.startswith(f"{PREFIX}-")
@@ -113,7 +115,7 @@ def _cmdline(proc: Path) -> list[str]:
 def agrees(node: Server) -> list[dict[str, Any]]:
     """The listed sandboxes, once the host holds exactly what they need: a container,
     bundle, mount, slot (two namespaces and a veth) for each that has one in the catalog,
-    an upper dir for each, nothing for anything else."""
+    an upper dir and a disk for each, nothing for anything else."""
     sandboxes = listed(node)
     ids = {s["sandboxID"] for s in sandboxes}
     holding = {i for i in ids if sandbox_record(node.home, i).get("instance")}
@@ -128,10 +130,13 @@ def agrees(node: Server) -> list[dict[str, Any]]:
             "sandbox processes": holding,
             "bundles": holding,
             "rw": ids,
+            "disks": ids,
         }
         counts = {"mounts": len(holding), "netns": 2 * len(holding), "veths": len(holding)}
-        ok = all(h[k] == v for k, v in want.items()) and all(
-            len(h[k]) == n for k, n in counts.items()
+        ok = (
+            all(h[k] == v for k, v in want.items())
+            and all(len(h[k]) == n for k, n in counts.items())
+            and h["disk mounts"] <= ids  # a paused sandbox's disk may stay mounted
         )
         return None if ok else h
 

@@ -75,6 +75,7 @@ class Recovery:
             kept.append(r)
         await self._drop_fork_snapshots()  # after: a fork's parent may take its image over
         await self._sweep(kept)
+        await asyncio.to_thread(self.storage.layers.clean_staging)  # adds a crash cut short
 
     async def _settle(self, r: SandboxRecord, found: Instance | None) -> None:
         op, r.pending = r.pending, None
@@ -130,6 +131,7 @@ class Recovery:
         short had already moved it into. False when they are gone."""
         if r.upper is None:
             return True
+        self.storage.attach_disk(r.sandbox_id, r.disk_mb)
         upper = Path(r.upper)
         planned = op.layer if op is not None else None
         if planned is not None and planned not in r.layers and self.storage.layers.has(planned):

@@ -98,7 +98,7 @@ class SandboxStorage:
         root = self.settings.rw_dir
         for d in sorted(root.iterdir()) if root.is_dir() else []:
             if d.name not in uppers:
-                shutil.rmtree(d, ignore_errors=True)
+                self.remove_sandbox(d.name)  # its disk first, if it has one
                 removed += 1
                 continue
             upper, cid = uppers[d.name]
@@ -113,7 +113,16 @@ class SandboxStorage:
                 if w.name != f"work-{cid}":
                     shutil.rmtree(w, ignore_errors=True)
                     removed += 1
+        if self.disks is not None:
+            for sandbox_id in self.disks.owners() - set(uppers):
+                self.disks.detach(sandbox_id)  # a disk whose mount point went already
+                removed += 1
         return removed
+
+    def attach_disk(self, sandbox_id: str, disk_mb: int) -> None:
+        """Mounts the sandbox's disk if it has one and it is not (after a host reboot)."""
+        if self.disks is not None and self.disks.image(sandbox_id).exists():
+            self.disks.attach(sandbox_id, disk_mb)
 
     def sweep_images(self, used: set[str]) -> int:
         """At start-up: removes the memory images nothing refers to (partly written by an
