@@ -28,7 +28,7 @@ HOG = (
     "chunks = []\n"
     "while True:\n"
     "    b = bytearray(32 * 2**20)\n"
-    '    b[::4096] = b"x" * len(b[::4096])\n'
+    "    b[::4096] = b\"x\" * len(b[::4096])\n"
     "    chunks.append(b)\n'"
 )
 
@@ -62,13 +62,13 @@ def test_a_fork_bomb_runs_out_of_processes_not_the_node(
     sandboxes += [bomb, neighbour]
     limit = int(bomb.commands.run("ulimit -u").stdout)
     assert 0 < limit < 100_000
-    bomb.commands.run("nohup bash -c 'b() { b | b & }; b' > /tmp/bomb.log 2>&1 &", timeout=30)
+    bomb.commands.run(
+        "nohup bash -c 'b() { b | b & }; b' > /tmp/bomb.log 2>&1 &", timeout=30
+    )
     # Forks are refused inside the sandbox while it (and the node) keeps answering.
     wait_until(
-        lambda: (
-            "Resource temporarily unavailable"
-            in bomb.commands.run("cat /tmp/bomb.log", timeout=60).stdout
-        ),
+        lambda: "Resource temporarily unavailable"
+        in bomb.commands.run("cat /tmp/bomb.log", timeout=60).stdout,
         60,
         1,
         "the bomb to run out of processes",

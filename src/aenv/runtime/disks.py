@@ -30,15 +30,7 @@ _SPARE = "spare-"
 _MOUNT_OPTIONS = "loop,nosuid,nodev,noatime"
 # No root-reserved blocks (the sandbox is the only user); inode tables and the journal
 # initialised lazily, so formatting writes only a few MiB whatever the size.
-_MKFS = [
-    "mkfs.ext4",
-    "-q",
-    "-F",
-    "-m",
-    "0",
-    "-E",
-    "lazy_itable_init=1,lazy_journal_init=1,nodiscard",
-]
+_MKFS = ["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"]
 
 
 class Disks:
