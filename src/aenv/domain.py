@@ -96,6 +96,21 @@ class PausedState:
 
 
 @dataclass
+class PendingOp:
+    """An operation on a sandbox that a crash of the server could cut short: stored with the
+    record before its first step that changes the host, cleared when its last step is saved,
+    so start-up recovery knows what it was doing (see `orchestrator/recovery.py`)."""
+
+    # "snapshot", "fork" or "hibernate".
+    kind: str
+    # The memory image the operation writes (its name in the node's image store).
+    image: str | None = None
+    # The digest the sandbox's upper is sealed under (chosen before the seal, so a crash
+    # between moving the upper into the layer store and saving the record loses nothing).
+    layer: str | None = None
+
+
+@dataclass
 class Instance:
     """A sandbox as its runtime backend runs it: an opaque handle. The orchestrator reads
     only `sandbox_id`, `id` and `address`; `data` belongs to the backend that made it."""
@@ -237,6 +252,8 @@ class SandboxRecord:
     # Layers a squash replaced that the running container may still have mounted: their
     # references are dropped once the sandbox boots on the new stack.
     retired_layers: list[str] = field(default_factory=list)
+    # The operation in flight (crash recovery); None between operations.
+    pending: PendingOp | None = None
 
     @property
     def address(self) -> str | None:

@@ -169,6 +169,33 @@ def test_move_across_filesystems_falls_back_to_copy(store: LayerStore) -> None:
         shutil.rmtree(src, ignore_errors=True)
 
 
+def test_move_across_filesystems_keeps_the_source_until_published(
+    store: LayerStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seal onto another filesystem (a sandbox's disk) copies: if it is cut short before
+    the layer is in the store, the source (the sandbox's upper) is whole."""
+    src = make_tree(tmp_path / "src")
+    digest = tree_digest(src)[0]
+    real_rename = os.rename
+
+    def across(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> None:
+        if Path(a) == src:
+            raise OSError(18, "Invalid cross-device link")  # EXDEV
+        if Path(b) == store.layer_dir(digest):
+            raise OSError(5, "simulated crash while publishing")
+        real_rename(a, b)
+
+    monkeypatch.setattr(layers_mod.os, "rename", across)
+    with pytest.raises(OSError, match="simulated"):
+        store.add_dir(src, mode="move")
+    assert tree_digest(src)[0] == digest and not store.has(digest)
+    monkeypatch.setattr(
+        layers_mod.os, "rename", lambda a, b: across(a, b) if Path(a) == src else real_rename(a, b)
+    )
+    assert store.add_dir(src, mode="move") == digest
+    assert not src.exists() and store.has(digest)
+
+
 def test_remove(store: LayerStore, tmp_path: Path) -> None:
     d = store.add_dir(make_tree(tmp_path / "src"))
     (store.path(d) / "empty").chmod(0o500)

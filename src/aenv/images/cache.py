@@ -142,6 +142,10 @@ class LayerCache:
             ).fetchall()
         return [r[0] for r in rows]
 
+    def all_holders(self) -> set[str]:
+        with self._db() as db:
+            return {r[0] for r in db.execute("SELECT DISTINCT holder FROM layer_refs")}
+
     def referenced(self) -> set[str]:
         with self._db() as db:
             return {r[0] for r in db.execute("SELECT DISTINCT digest FROM layer_refs")}

@@ -272,6 +272,9 @@ class LayerStore:
         self.tmp.mkdir(parents=True, exist_ok=True)
         stage = self.tmp / f"add-{uuid.uuid4().hex}"
         stage.mkdir()
+        # A move across filesystems is a copy: the source goes only once the layer is in
+        # the store, so a crash in between leaves one whole copy or the other.
+        copied = False
         try:
             rootfs = stage / "rootfs"
             if mode == "move":
@@ -281,7 +284,7 @@ class LayerStore:
                     if e.errno != errno.EXDEV:
                         raise
                     copy_tree(src, rootfs, link=False)
-                    rmtree(src)
+                    copied = True
             else:
                 copy_tree(src, rootfs, link=(mode == "link"))
             meta = {
@@ -305,6 +308,8 @@ class LayerStore:
         finally:
             if stage.exists():
                 rmtree(stage)
+        if copied:
+            rmtree(src)
         return digest
 
     def remove(self, digest: str) -> bool:

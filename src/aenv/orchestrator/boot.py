@@ -268,12 +268,16 @@ class Booter:
     # ------------------------------------------------------------------ re-stacking
     async def seal(self, r: SandboxRecord, t: Timings) -> None:
         """Seals the upper as a layer on top of the stack; the sandbox goes on on a fresh
-        one. An untouched upper stays: a layer of nothing would only lengthen the stack."""
+        one. An untouched upper stays: a layer of nothing would only lengthen the stack.
+        The layer takes the digest of the record's pending operation, if it names one."""
         assert r.upper is not None
+        planned = r.pending.layer if r.pending is not None else None
         with t.stage("seal"):
             if await asyncio.to_thread(_is_empty, Path(r.upper)):
                 return
-            digest = await asyncio.to_thread(self.storage.seal, Path(r.upper), r.sandbox_id)
+            digest = await asyncio.to_thread(
+                self.storage.seal, Path(r.upper), r.sandbox_id, planned
+            )
             r.layers = [digest, *r.layers]
             await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, [digest])
             r.upper = str(await asyncio.to_thread(self.storage.new_upper, r.sandbox_id))

@@ -22,6 +22,7 @@ from ..domain import (
     Instance,
     PausedState,
     PauseTier,
+    PendingOp,
     SandboxRecord,
     SandboxState,
     TemplateRecord,
@@ -83,6 +84,8 @@ def _doc_to_record(doc: str) -> SandboxRecord:
             paused_at=datetime.fromisoformat(p["paused_at"]),
             image=p.get("image"),
         )
+    if d.get("pending") is not None:
+        d["pending"] = PendingOp(**d["pending"])
     d["boot"] = BootInfo(**(d.get("boot") or {}))
     if "egress" in d:
         d["egress"] = EgressPolicy(**d["egress"])

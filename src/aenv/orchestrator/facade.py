@@ -47,6 +47,7 @@ from .liveness import Liveness
 from .node import Node
 from .pausing import Pauser
 from .pool import WarmPool
+from .recovery import Recovery
 from .sandboxes import Sandboxes
 from .snapshots import Snapshotter
 from .storage import SandboxStorage
@@ -95,8 +96,9 @@ class Orchestrator:
         self._pauser = pauser = Pauser(ctx, table, booter, runtime, templates)
         self._forker = Forker(ctx, table, snapshotter, sandboxes, templates)
         self._liveness = liveness = Liveness(table, runtime, booter)
+        recovery = Recovery(ctx, table, runtime, booter, storage, templates)
         self._node = Node(
-            ctx, table, runtime, templates, sandboxes, pauser, pool, envd, liveness
+            ctx, table, runtime, templates, sandboxes, pauser, pool, envd, liveness, recovery
         )
 
     # ------------------------------------------------------------------ the node

@@ -8,6 +8,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, replace
 
+from .. import crashpoint
 from ..domain import CreateRequest, SandboxRecord, SandboxState, Timings
 from ..errors import AenvError, BadRequest, Conflict
 from .context import NodeContext, check_timeout
@@ -19,6 +20,9 @@ from .templates import TemplateRegistry
 log = logging.getLogger("aenv.orchestrator")
 
 MAX_CHILDREN = 20
+# Marks a fork's own snapshot (in its `extra`): no one else ever sees it, so start-up
+# recovery deletes one a crash left behind.
+FORK_OF = "fork_of"
 
 
 @dataclass
@@ -54,8 +58,15 @@ class Forker:
                     f"sandbox {sandbox_id!r} must be running to fork (it is {parent.state})"
                 )
             snap, parent_back = await self.snapshotter.take(
-                parent, t, names=[], internal=True, restore_later=True
+                parent,
+                t,
+                names=[],
+                internal=True,
+                restore_later=True,
+                op="fork",
+                extra={FORK_OF: sandbox_id},
             )
+            crashpoint.hit("fork.snapshotted")
             ttl = timeout
             if ttl is None:
                 ttl = max(1, int((parent.end_at - self.ctx.now()).total_seconds()))
@@ -82,6 +93,7 @@ class Forker:
                         await parent_back
                     except Exception:
                         log.exception("fork of %s: the parent did not come back", sandbox_id)
+                crashpoint.hit("fork.parent_back")
         with t.stage("children"):
             results = await kids
         # Children no longer need the image; their layers stay (they run on them).

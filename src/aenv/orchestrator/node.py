@@ -8,7 +8,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-from ..domain import PauseTier, SandboxState
+from ..domain import SandboxState
 from ..errors import AenvError
 from ..runtime.base import Runtime
 from .context import NodeContext
@@ -16,6 +16,7 @@ from .envd_client import EnvdClient
 from .liveness import Liveness
 from .pausing import Pauser
 from .pool import WarmPool
+from .recovery import Recovery
 from .sandboxes import Sandboxes
 from .table import SandboxTable
 from .templates import TemplateRegistry
@@ -25,7 +26,6 @@ log = logging.getLogger("aenv.orchestrator")
 TICK_SECONDS = 1.0
 # Looking for sandboxes that died costs a /proc read each: every few ticks is soon enough.
 LIVENESS_EVERY_TICKS = 3
-_ON_DISK = (PauseTier.HIBERNATED, PauseTier.FILES)
 
 
 @dataclass
@@ -39,6 +39,7 @@ class Node:
     pool: WarmPool
     envd: EnvdClient
     liveness: Liveness
+    recovery: Recovery
     _timer: asyncio.Task[None] | None = field(default=None, init=False)
     _ticks: int = field(default=0, init=False)
 
@@ -50,30 +51,8 @@ class Node:
         self.pool.refill()
 
     async def recover(self) -> None:
-        """Running and frozen sandboxes whose containers survived come back as they were;
-        hibernated and files-only ones need nothing running; any other is lost."""
-        records = await self.table.stored()
-        live = (SandboxState.RUNNING, SandboxState.PAUSED)
-        keep = {r.instance.id for r in records if r.instance and r.state in live}
-        recovered = await self.runtime.start(keep)
-        for r in records:
-            if r.state is SandboxState.KILLED:
-                await self.table.delete(r)
-                continue
-            if r.instance and r.instance.id in recovered:
-                r.instance = recovered[r.instance.id]
-                if r.state not in live:
-                    r.state = SandboxState.RUNNING
-                log.info("recovered sandbox %s (%s)", r.sandbox_id, r.state)
-            elif r.tier in _ON_DISK:
-                r.instance = None  # durable on disk; nothing was running
-            elif r.state is not SandboxState.LOST:
-                r.state = SandboxState.LOST
-                r.instance = None
-                r.note = "it was running when the server stopped and could not be recovered"
-                log.warning("sandbox %s lost across the restart", r.sandbox_id)
-            self.table.add(r)
-            await self.table.save(r)
+        """Makes the catalog and the runtime agree after a restart or a crash."""
+        await self.recovery.run()
 
     async def close(self) -> None:
         self.ctx.closing = True

@@ -19,11 +19,13 @@ import secrets
 from dataclasses import dataclass
 from datetime import timedelta
 
+from .. import crashpoint
 from ..domain import (
     ENVD_PORT,
     LIVE_STATES,
     PausedState,
     PauseTier,
+    PendingOp,
     SandboxRecord,
     SandboxState,
     TemplateKind,
@@ -65,13 +67,20 @@ class Pauser:
             if r.state is not SandboxState.RUNNING or r.instance is None:
                 raise Conflict(f"sandbox {sandbox_id!r} cannot be paused while {r.state}")
             if not memory:
-                with t.stage("stop"):
-                    await self.runtime.destroy(r.instance)
+                # A crash once the container is gone finds the files: paused, files only.
+                r.pending = PendingOp("pause")
+                await self.table.save(r)
+                try:
+                    with t.stage("stop"):
+                        await self.runtime.destroy(r.instance)
+                finally:
+                    r.pending = None
                 r.instance = None
                 r.paused = PausedState(PauseTier.FILES, self.ctx.now())
             else:
                 with t.stage("freeze"):
                     await self.runtime.freeze(r.instance)
+                crashpoint.hit("pause.frozen")
                 r.paused = PausedState(PauseTier.FROZEN, self.ctx.now())
             r.state = SandboxState.PAUSED
             await self.table.save(r)
@@ -111,15 +120,29 @@ class Pauser:
         inst = r.instance
         # A new name each time: the previous image may still be being dropped after a resume.
         name = f"hib-{r.sandbox_id}-{secrets.token_hex(4)}"
-        image = await self.templates.fresh_image(name)
-        with t.stage("checkpoint"):
-            await self.runtime.checkpoint(inst, image, leave_running=False)
-        with t.stage("release"):
-            await self.runtime.destroy(inst)
-        r.instance = None
-        # Sealed, the files are plain layers: the repository can hold the whole sandbox.
-        await self.booter.seal(r, t)
+        # From here a crash leaves a checkpointed or released container: recovery finds the
+        # image and the files by this record.
+        r.pending = PendingOp(
+            "hibernate", image=name, layer=self.booter.storage.seal_digest(r.sandbox_id)
+        )
+        await self.table.save(r)
+        try:
+            image = await self.templates.fresh_image(name)
+            with t.stage("checkpoint"):
+                await self.runtime.checkpoint(inst, image, leave_running=False)
+            crashpoint.hit("hibernate.checkpointed")
+            with t.stage("release"):
+                await self.runtime.destroy(inst)
+            crashpoint.hit("hibernate.released")
+            r.instance = None
+            # Sealed, the files are plain layers: the repository can hold the whole sandbox.
+            await self.booter.seal(r, t)
+            crashpoint.hit("hibernate.sealed")
+        except BaseException:
+            r.pending = None
+            raise
         r.paused = PausedState(PauseTier.HIBERNATED, r.paused.paused_at, image=name)
+        r.pending = None
         await self.table.save(r)
         if self.templates.has_repository:
             self.ctx.spawn(self._publish_hibernation(r.sandbox_id, name))
@@ -167,6 +190,7 @@ class Pauser:
         if paused.tier is not PauseTier.FROZEN:
             self.table.reserve(r.memory_mb)
         r.state = SandboxState.RESUMING
+        dropped: str | None = None
         try:
             if paused.tier is PauseTier.FROZEN:
                 assert r.instance is not None
@@ -181,7 +205,8 @@ class Pauser:
                             self.templates.hibernation_image(paused.image, what)
                         )
                     await self.booter.boot(r, t, image=image, init=False)
-                self.ctx.spawn(self.templates.drop_image(paused.image))
+                crashpoint.hit("resume.restored")
+                dropped = paused.image
             else:  # files only: boot fresh on the kept upper
                 await self.booter.boot(r, t)
         except BaseException:
@@ -189,6 +214,10 @@ class Pauser:
             raise
         r.state = SandboxState.RUNNING
         r.paused = None
+        if dropped is not None:
+            # Saved first: a crash before the save finds it hibernated, with its image.
+            await self.table.save(r)
+            self.ctx.spawn(self.templates.drop_image(dropped))
 
     async def connect(
         self,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from .. import crashpoint
 from ..domain import CreateRequest, EgressPolicy, SandboxRecord, SandboxState, Timings
 from ..errors import BadRequest, NotFound, Unavailable
 from ..runtime.base import Runtime
@@ -89,6 +90,7 @@ class Sandboxes:
                 await self.booter.boot(r, t, image=image, init_from=boot.envd_token or None)
             else:
                 await self.booter.boot(r, t)
+            crashpoint.hit("create.booted")
         except BaseException:
             self.table.discard(r.sandbox_id)
             await self.booter.forget(r)
@@ -120,6 +122,7 @@ class Sandboxes:
             if r.state in _GONE:
                 raise NotFound(f"sandbox {sandbox_id!r} not found")
             r.state = SandboxState.KILLING
+            await self.table.save(r)  # a crash from here: recovery finishes the kill
             if r.instance:
                 await self.booter.destroy_quietly(r.instance)
             r.state = SandboxState.KILLED

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import crashpoint
 from ..domain import (
     Instance,
     PauseTier,
+    PendingOp,
     SandboxRecord,
     SandboxState,
     TemplateKind,
@@ -87,30 +89,54 @@ class Snapshotter:
         extra: dict[str, Any] | None = None,
         boot_of: TemplateRecord | None = None,
         restore_later: bool = False,
+        op: str = "snapshot",
     ) -> tuple[TemplateRecord, Restore | None]:
         """Checkpoints the sandbox (its lock held) and registers the snapshot; the sandbox is
         back when this returns, or (`restore_later`) when the returned coroutine has run:
         the snapshot is usable before that, so fork children restore while the parent does.
-        `boot_of`: the template this is the boot snapshot of."""
+        `boot_of`: the template this is the boot snapshot of (its source is thrown away, so
+        it is never saved); `op` names the operation for crash recovery."""
         snap_id = snap_id or new_id("s")
         back: Restore | None = None
         tier = r.tier
+        kept = boot_of is None
         if r.state is SandboxState.RUNNING or tier is PauseTier.FROZEN:
             assert r.instance is not None
             inst = r.instance
-            image = await self.templates.fresh_image(snap_id)
-            if tier is PauseTier.FROZEN:
-                with t.stage("thaw"):
-                    await self.runtime.thaw(inst)
-            with t.stage("checkpoint"):
-                await self.runtime.checkpoint(inst, image, leave_running=False)
-            with t.stage("stop"):
-                await self.runtime.stop(inst)
-            await self.booter.seal(r, t)
-            back = self._restore(r, t, image, inst, refreeze=tier is PauseTier.FROZEN)
-            if not restore_later:
-                await back
-                back = None
+            if kept:  # from here a crash leaves a checkpointed or stopped container
+                seal_as = self.booter.storage.seal_digest(r.sandbox_id)
+                r.pending = PendingOp(op, image=snap_id, layer=seal_as)
+                await self.table.save(r)
+            try:
+                image = await self.templates.fresh_image(snap_id)
+                if tier is PauseTier.FROZEN:
+                    with t.stage("thaw"):
+                        await self.runtime.thaw(inst)
+                with t.stage("checkpoint"):
+                    await self.runtime.checkpoint(inst, image, leave_running=False)
+                crashpoint.hit("snapshot.checkpointed")
+                with t.stage("stop"):
+                    await self.runtime.stop(inst)
+                crashpoint.hit("snapshot.stopped")
+                await self.booter.seal(r, t)
+                if kept:  # its new layers and upper (the restore writes into that upper)
+                    await self.table.save(r)
+                crashpoint.hit("snapshot.sealed")
+                back = self._restore(
+                    r,
+                    t,
+                    image,
+                    inst,
+                    refreeze=tier is PauseTier.FROZEN,
+                    save=kept,
+                    last=restore_later,
+                )
+                if not restore_later:
+                    await back
+                    back = None
+            except BaseException:
+                r.pending = None  # failed, not interrupted: nothing for a restart to finish
+                raise
         elif tier is PauseTier.HIBERNATED:
             # Already on disk (hibernation sealed the files): the snapshot shares its image.
             assert r.paused is not None and r.paused.image is not None
@@ -143,7 +169,11 @@ class Snapshotter:
             snap.boot_run = self.ctx.run_id
         try:
             await self.templates.register(snap)
-            await self.table.save(r)
+            crashpoint.hit("snapshot.registered")
+            if kept:
+                if back is None:  # else the restore clears it
+                    r.pending = None
+                await self.table.save(r)
         except BaseException:
             if back is not None:
                 await back  # the sandbox comes back all the same
@@ -151,12 +181,27 @@ class Snapshotter:
         return snap, back
 
     async def _restore(
-        self, r: SandboxRecord, t: Timings, image: Path, stopped: Instance, *, refreeze: bool
+        self,
+        r: SandboxRecord,
+        t: Timings,
+        image: Path,
+        stopped: Instance,
+        *,
+        refreeze: bool,
+        save: bool,
+        last: bool,
     ) -> None:
+        """Brings the sandbox back after its checkpoint; `save`: the record is saved with its
+        new container, `last`: which ends the operation (the snapshot is registered)."""
         await self.booter.restore_in_place(r, t, image, stopped)
+        crashpoint.hit("snapshot.restored")
         if refreeze:
             assert r.instance is not None
             await self.runtime.freeze(r.instance)
+        if save:  # a crash from here finds the new container, not the stopped one
+            if last:
+                r.pending = None
+            await self.table.save(r)
 
 
 def check_name(name: str) -> None:

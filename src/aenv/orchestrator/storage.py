@@ -66,13 +66,17 @@ class SandboxStorage:
         (gen / "upper").mkdir(parents=True)
         return gen / "upper"
 
-    def seal(self, upper: Path, label: str) -> str:
-        """Turns an upper dir into a read-only layer; returns its digest.
+    @staticmethod
+    def seal_digest(label: str) -> str:
+        """A new digest for a sealed layer. It names the layer uniquely rather than hashing
+        its content: hashing a freshly written GiB would put seconds on the snapshot path for
+        no gain, since no two seals ever hold the same tree."""
+        return "sha256:" + hashlib.sha256(f"{label}:{secrets.token_hex(16)}".encode()).hexdigest()
 
-        The digest names the sealed layer uniquely rather than hashing its content: hashing
-        a freshly written GiB would put seconds on the snapshot path for no gain, since no
-        two seals ever hold the same tree."""
-        digest = "sha256:" + hashlib.sha256(f"{label}:{secrets.token_hex(16)}".encode()).hexdigest()
+    def seal(self, upper: Path, label: str, digest: str | None = None) -> str:
+        """Turns an upper dir into a read-only layer (named `digest`, a `seal_digest`, if
+        given); returns its digest."""
+        digest = digest or self.seal_digest(label)
         self.layers.add_dir(upper, digest, mode="move", source=f"sealed {label}")
         # The overlay's work dirs of that generation are scratch space: drop them.
         gen = upper.parent
@@ -86,6 +90,62 @@ class SandboxStorage:
         if self.disks is not None:
             self.disks.detach(sandbox_id)
         shutil.rmtree(self.settings.rw_dir / sandbox_id, ignore_errors=True)
+
+    def sweep_uppers(self, uppers: dict[str, tuple[str | None, str | None]]) -> int:
+        """At start-up: removes what sandboxes no longer use under `rw/` (left by a crash):
+        the dirs of sandboxes not in `uppers` (sandbox id -> (its upper, the container id
+        whose overlay work dir is in use)), and of those that are, every generation but the
+        one of their upper and every work dir but the one in use. Returns how many went."""
+        removed = 0
+        root = self.settings.rw_dir
+        for d in sorted(root.iterdir()) if root.is_dir() else []:
+            if d.name not in uppers:
+                self.remove_sandbox(d.name)  # its disk first, if it has one
+                removed += 1
+                continue
+            upper, cid = uppers[d.name]
+            if upper is None:
+                continue
+            gen = Path(upper).parent
+            for g in d.iterdir():
+                if g != gen:
+                    shutil.rmtree(g, ignore_errors=True)
+                    removed += 1
+            for w in gen.glob("work-*") if gen.is_dir() else []:
+                if w.name != f"work-{cid}":
+                    shutil.rmtree(w, ignore_errors=True)
+                    removed += 1
+        if self.disks is not None:
+            for sandbox_id in self.disks.owners() - set(uppers):
+                self.disks.detach(sandbox_id)  # a disk whose mount point went already
+                removed += 1
+        return removed
+
+    def attach_disk(self, sandbox_id: str, disk_mb: int) -> None:
+        """Mounts the sandbox's disk if it has one and it is not (after a host reboot)."""
+        if self.disks is not None and self.disks.image(sandbox_id).exists():
+            self.disks.attach(sandbox_id, disk_mb)
+
+    def sweep_images(self, used: set[str]) -> int:
+        """At start-up: removes the memory images nothing refers to (partly written by an
+        operation a crash cut short, or given up while the server stopped)."""
+        removed = 0
+        for d in sorted(self.settings.images_dir.iterdir()):
+            if d.name not in used:
+                shutil.rmtree(d, ignore_errors=True)
+                removed += 1
+        return removed
+
+    def sweep_holds(self, sandbox_ids: set[str]) -> int:
+        """At start-up: drops the layer references of sandboxes that no longer exist."""
+        gone = [
+            h
+            for h in self.refs.all_holders()
+            if h.startswith("sandbox:") and h.split(":", 1)[1] not in sandbox_ids
+        ]
+        for h in gone:
+            self.refs.release(h)
+        return len(gone)
 
     def image_dir(self, name: str) -> Path:
         return self.settings.images_dir / name

@@ -134,6 +134,11 @@ class Runtime(abc.ABC):
         the host killed it at its memory limit); None when it cannot."""
         return None
 
+    async def is_frozen(self, inst: Instance) -> bool:
+        """Whether the container is frozen (start-up recovery puts it back in the state its
+        record says: a crash may fall between a freeze or thaw and its record's save)."""
+        return False
+
     @abc.abstractmethod
     async def set_egress(self, inst: Instance, policy: EgressPolicy) -> None:
         """Replace the egress rules of a running, frozen or stopped sandbox, atomically (no

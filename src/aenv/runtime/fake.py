@@ -260,6 +260,9 @@ class FakeRuntime(Runtime):
         c = self.host.containers.get(inst.id)
         return None if c is None else c.exit_cause
 
+    async def is_frozen(self, inst: Instance) -> bool:
+        return self.state(inst) is FakeState.FROZEN
+
     async def set_egress(self, inst: Instance, policy: EgressPolicy) -> None:
         call = Call("set_egress", inst.id, inst.sandbox_id, egress=policy)
         await self._enter(call)

@@ -451,6 +451,10 @@ class GVisorRuntime(Runtime):
             "checkpointed %s to %s in %.0f ms", c.id, image_dir, (time.perf_counter() - t0) * 1000
         )
 
+    async def is_frozen(self, inst: Instance) -> bool:
+        c = self._view(inst)
+        return not c.stopped and await self.procs.is_frozen(c)
+
     async def alive(self, inst: Instance) -> bool:
         mine = self._parse(inst)
         held = self._live.get(inst.id, mine)

@@ -113,6 +113,39 @@ class Processes:
             log.warning("runsc delete %s: %s", cid, e)
         await asyncio.to_thread(_proc.reap_adopted)
 
+    async def is_frozen(self, c: Container) -> bool:
+        if await asyncio.to_thread(self.freezer.available, c.cgroup):
+            return await asyncio.to_thread(self.freezer.is_frozen, c.cgroup)
+        state = await self.runsc.state(c.id)  # paused by runsc (no freezer on this host)
+        return state is not None and state.get("status") == "paused"
+
+    def commands(self) -> list[int]:
+        """Pids of runsc commands on this root that still run (`checkpoint`, `restore`, …,
+        not sandboxes or gofers): at start-up, ones a server that died had started."""
+        me, found = os.getpid(), []
+        root_flag = f"--root={self.runsc.root}"
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit() or int(d.name) == me:
+                continue
+            argv = _cmdline(int(d.name))
+            if argv and root_flag in argv and argv[0] not in _DAEMONS:
+                found.append(int(d.name))
+        return found
+
+    async def wait_for_commands(self, time_limit: float = 30.0) -> None:
+        """Lets the runsc commands a crashed server left finish (a checkpoint that ends its
+        sandbox, a restore that starts one) so what follows sees the host as they leave it;
+        kills those still running after `time_limit` seconds."""
+        pids = await asyncio.to_thread(self.commands)
+        if not pids:
+            return
+        log.info("waiting for %d runsc commands of an earlier run", len(pids))
+        if not await _proc.wait_exited(pids, time_limit):
+            for p in await asyncio.to_thread(self.commands):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+            await _proc.wait_exited(pids, 5.0)
+
     async def kill_all(self, cids: list[str]) -> None:
         """SIGKILLs the containers' sandbox processes and waits (briefly) until they and
         their gofers are dead, so their mounts and netns can go; reaping may come later."""
@@ -150,6 +183,10 @@ class Processes:
 
         await gather_quiet(*(one(c) for c in cids))
         await asyncio.to_thread(_proc.reap_adopted)
+
+
+# A running container's own processes (argv[0] as runsc sets it).
+_DAEMONS = ("runsc-sandbox", "runsc-gofer")
 
 
 def is_runsc_child(pid: int) -> bool:

@@ -46,6 +46,7 @@ class Reconciler:
         slot; everything else is removed (`spawn` runs the slow part in the background)."""
         recovered: dict[str, Container] = {}
         stale: list[str] = []
+        await self.procs.wait_for_commands()
         # Read from runsc's state files: `runsc list` would hang on a frozen (paused) sandbox.
         for st in await self.runsc.list_states():
             cid = str(st.get("id"))
