@@ -912,7 +912,7 @@ def test_e2b_sdk_create_and_connect(served: tuple[str, FakeOrchestrator]) -> Non
 @pytest.mark.parametrize(
     ("network", "needle"),
     [
-        ({"allowOut": ["example.com"]}, "domain names are not supported yet"),
+        ({"allowOut": ["exa mple.com"]}, "not an IPv4 address, CIDR block or domain name"),
         ({"denyOut": ["10.0.0.0/33"]}, "denyOut"),
         ({"allowOut": ["::1"]}, "IPv4"),
         ({"dnsServers": ["resolver"]}, "dnsServers"),

@@ -8,7 +8,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-from ..domain import PauseTier, SandboxState
+from ..domain import PauseTier, SandboxRecord, SandboxState
 from ..errors import AenvError
 from ..runtime.base import Runtime
 from .context import NodeContext
@@ -64,6 +64,7 @@ class Node:
                 r.instance = recovered[r.instance.id]
                 if r.state not in live:
                     r.state = SandboxState.RUNNING
+                await self._reapply_egress(r)
                 log.info("recovered sandbox %s (%s)", r.sandbox_id, r.state)
             elif r.tier in _ON_DISK:
                 r.instance = None  # durable on disk; nothing was running
@@ -74,6 +75,17 @@ class Node:
                 log.warning("sandbox %s lost across the restart", r.sandbox_id)
             self.table.add(r)
             await self.table.save(r)
+
+    async def _reapply_egress(self, r: SandboxRecord) -> None:
+        """The slot kept its rules, but not what the server itself serves for them (the
+        egress proxy of domain rules): put the record's policy in force again."""
+        if not r.egress.has_domains or r.instance is None:
+            return
+        try:
+            await self.runtime.set_egress(r.instance, r.egress)
+        except Exception as e:
+            # Fail closed: the slot's own rules still send 80/443 to a proxy not there.
+            log.warning("egress rules of recovered sandbox %s: %s", r.sandbox_id, e)
 
     async def close(self) -> None:
         self.ctx.closing = True
