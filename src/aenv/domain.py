@@ -142,15 +142,17 @@ class EgressPolicy:
     Domain entries apply where the name is on the wire, as in E2B: TCP port 80 by the HTTP
     Host header and port 443 by the TLS server name (SNI). There a connection is allowed
     when its name or its address is allowed, else refused when either is denied. Other
-    ports and protocols only see the address entries. With any domain entry the sandbox's
-    resolvers (`dns_servers`, else E2B's default 8.8.8.8) stay reachable on port 53, so
-    names still resolve under a deny-all."""
+    ports and protocols only see the address entries. With a domain in `allow_out`, the
+    DNS servers (`dns_servers`; None: E2B's default 8.8.8.8, []: none) are allowed too, all
+    traffic to them, so names still resolve under a deny-all. As in E2B this only opens the
+    path: the sandbox's /etc/resolv.conf is its own. Domains in `deny_out` go beyond E2B
+    (which takes addresses only there); allow still wins over them."""
 
     allow_internet: bool = True
     allow_out: list[str] = field(default_factory=list)
     deny_out: list[str] = field(default_factory=list)
-    # Resolvers the sandbox uses (its /etc/resolv.conf).
-    dns_servers: list[str] = field(default_factory=list)
+    # DNS servers kept reachable when `allow_out` has a domain (None: the default).
+    dns_servers: list[str] | None = None
 
     @property
     def is_open(self) -> bool:
@@ -165,7 +167,9 @@ class EgressPolicy:
             allow_internet=self.allow_internet,
             allow_out=[_entry(e, "allowOut") for e in self.allow_out],
             deny_out=[_entry(e, "denyOut") for e in self.deny_out],
-            dns_servers=[str(_address(e, "dnsServers")) for e in self.dns_servers],
+            dns_servers=None
+            if self.dns_servers is None
+            else [str(_address(e, "dnsServers")) for e in self.dns_servers],
         )
 
     # Views of a normalized policy.
@@ -191,8 +195,11 @@ class EgressPolicy:
 
     @property
     def resolvers(self) -> list[str]:
-        """Where the sandbox resolves names (kept open on port 53 when domains are used)."""
-        return list(self.dns_servers) or [DEFAULT_DNS_SERVER]
+        """The DNS servers a domain in `allow_out` opens (all traffic to them); none without
+        one."""
+        if not self.allow_domains:
+            return []
+        return [DEFAULT_DNS_SERVER] if self.dns_servers is None else list(self.dns_servers)
 
     def allows(self, address: str, name: str | None = None) -> bool:
         """The user's rules (not the fixed denies) for a connection to `address`, whose
@@ -205,6 +212,8 @@ class EgressPolicy:
         if any(ip in nets(c) for c in self.allow_cidrs):
             return True
         if name and any(domain_matches(d, name) for d in self.allow_domains):
+            return True
+        if address in self.resolvers:
             return True
         if any(ip in nets(c) for c in self.deny_cidrs):
             return False

@@ -43,8 +43,13 @@ def test_domains_are_accepted_and_normalized() -> None:
     assert (p.allow_domains, p.allow_cidrs) == (["example.com", "*.wild.test"], ["8.8.8.8/32"])
     assert (p.deny_domains, p.deny_cidrs) == (["bad.test"], ["0.0.0.0/0"])
     assert p.has_domains and not EgressPolicy(allow_out=["1.2.3.4"]).has_domains
-    assert p.resolvers == ["8.8.8.8"]  # E2B's default nameserver stays reachable
-    assert EgressPolicy(dns_servers=["203.0.113.53"]).resolvers == ["203.0.113.53"]
+    # A domain in allowOut opens DNS: E2B's default nameserver, the given ones, or none.
+    assert p.resolvers == ["8.8.8.8"]
+    names = ["allowed.test"]
+    assert EgressPolicy(allow_out=names, dns_servers=["203.0.113.53"]).resolvers == ["203.0.113.53"]
+    assert EgressPolicy(allow_out=names, dns_servers=[]).resolvers == []
+    assert EgressPolicy(deny_out=names).resolvers == []
+    assert EgressPolicy(allow_out=["1.2.3.4"], dns_servers=["1.1.1.1"]).resolvers == []
 
 
 @pytest.mark.parametrize(
@@ -118,6 +123,7 @@ def test_allow_wins_over_deny_for_names_and_addresses() -> None:
     closed = EgressPolicy(allow_internet=False, allow_out=["ok.test"]).normalized()
     assert closed.allows("203.0.113.10", "ok.test")
     assert not closed.allows("203.0.113.10", "other.test")
+    assert closed.allows("8.8.8.8", None)  # the default DNS server is opened with a domain
 
 
 # Sniffing ------------------------------------------------------------------------------------
@@ -181,8 +187,7 @@ def test_domain_rules_redirect_80_and_443_and_keep_dns_open() -> None:
         "*filter",
         f":{c} - [0:0]",
         f"-A {c} -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT",
-        f"-A {c} -d 203.0.113.53/32 -p udp --dport 53 -j ACCEPT",
-        f"-A {c} -d 203.0.113.53/32 -p tcp --dport 53 -j ACCEPT",
+        f"-A {c} -d 203.0.113.53/32 -j ACCEPT",
         f"-A {c} -d 0.0.0.0/0 -p tcp -j REJECT --reject-with tcp-reset",
         f"-A {c} -d 0.0.0.0/0 -j REJECT --reject-with icmp-port-unreachable",
         "COMMIT",
@@ -192,8 +197,8 @@ def test_domain_rules_redirect_80_and_443_and_keep_dns_open() -> None:
         "COMMIT",
     ]
     # Address rules only: nothing redirected, no DNS exception.
-    text = egress_rules(EgressPolicy(deny_out=["0.0.0.0/0"]))
-    assert "REDIRECT" not in text and "--dport 53" not in text
+    text = egress_rules(EgressPolicy(deny_out=["0.0.0.0/0"], dns_servers=["203.0.113.53"]))
+    assert "REDIRECT" not in text and "203.0.113.53" not in text
 
 
 # The node's own networks -----------------------------------------------------------------------

@@ -13,7 +13,7 @@ EGRESS_CHAIN = "egress"  # in each router netns (so no prefix: nothing else live
 def egress_rules(policy: EgressPolicy) -> str:
     """`iptables-restore --noflush` input that rewrites a router's egress chains in one
     transaction (no moment without rules). Filter: replies of established connections pass,
-    then (with domain rules) DNS to the sandbox's resolvers, then the address entries of
+    then (with a domain in `allow_out`) the DNS servers it opens, then the address entries of
     `allow_out` accept, those of `deny_out` reject, and the rest is rejected unless
     `allow_internet`. Nat: with domain rules, TCP to ports 80 and 443 goes to the slot's
     egress proxy, which applies the whole policy there. An open policy leaves both chains
@@ -28,11 +28,7 @@ def egress_rules(policy: EgressPolicy) -> str:
     lines = ["*filter", f":{c} - [0:0]"]
     if not p.is_open:
         lines.append(f"-A {c} -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT")
-        if p.has_domains:
-            for dns in p.resolvers:
-                lines += [
-                    f"-A {c} -d {dns}/32 -p {pr} --dport 53 -j ACCEPT" for pr in ("udp", "tcp")
-                ]
+        lines += [f"-A {c} -d {dns}/32 -j ACCEPT" for dns in p.resolvers]
         lines += [f"-A {c} -d {net} -j ACCEPT" for net in p.allow_cidrs]
         for net in p.deny_cidrs:
             lines += _reject(f"-A {c} -d {net}")
