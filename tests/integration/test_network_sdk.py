@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from e2b import Sandbox
+from e2b import Sandbox, SandboxNetworkOpts
 
 from .conftest import Server
 from .fake_internet import DNS, PORT, A, B, fake_internet
@@ -81,7 +81,7 @@ def test_rules_survive_pause_and_fork(
 # Domain rules, E2B's typical use: everything denied but some names (HTTP by Host, HTTPS
 # by SNI). allowed.test and denied.test share an address; the DNS server is opened by the
 # rules, and the sandbox points its own resolv.conf at it (E2B leaves that file alone).
-ONLY_NAMES = {
+ONLY_NAMES: SandboxNetworkOpts = {
     "allow_out": ["allowed.test", "*.wild.test"],
     "deny_out": ["0.0.0.0/0"],
     "dns_servers": [DNS],

@@ -223,8 +223,10 @@ class EgressProxies:
             up_reader, upstream = await asyncio.open_connection(sock=out)
             upstream.write(head)
             await asyncio.gather(_pipe(reader, upstream), _pipe(up_reader, writer))
-        except (OSError, TimeoutError, asyncio.IncompleteReadError) as e:
+        except (OSError, TimeoutError) as e:
             log.debug("egress proxy connection ended: %s", e)
+        except Exception:  # never leave a task with an unretrieved exception
+            log.exception("egress proxy connection failed")
         finally:
             for w in (writer, upstream):
                 if w is not None:
