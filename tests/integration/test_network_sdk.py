@@ -5,15 +5,16 @@ namespace of the test's own (`fake_internet`)."""
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from e2b import Sandbox
+from e2b import Sandbox, SandboxNetworkOpts
 
 from .conftest import Server
-from .fake_internet import PORT, A, B, fake_internet
+from .fake_internet import DNS, PORT, A, B, fake_internet
 
 pytestmark = pytest.mark.integration
 
@@ -75,6 +76,78 @@ def test_rules_survive_pause_and_fork(
     child = Sandbox.connect(child_id)
     sandboxes.append(child)
     assert reach(child) == {A: False, B: True}
+
+
+# Domain rules, E2B's typical use: everything denied but some names (HTTP by Host, HTTPS
+# by SNI). allowed.test and denied.test share an address; the DNS server is opened by the
+# rules, and the sandbox points its own resolv.conf at it (E2B leaves that file alone).
+ONLY_NAMES: SandboxNetworkOpts = {
+    "allow_out": ["allowed.test", "*.wild.test"],
+    "deny_out": ["0.0.0.0/0"],
+    "dns_servers": [DNS],
+}
+URLS = (
+    "http://allowed.test/",
+    "https://allowed.test/",
+    "http://denied.test/",
+    "https://denied.test/",
+    "https://x.wild.test/",
+)
+
+
+def by_name(sbx: Sandbox) -> dict[str, bool]:
+    """Which URLs answer, by curl (resolving through the fake internet's DNS)."""
+    sbx.commands.run(f"echo 'nameserver {DNS}' > /etc/resolv.conf", user="root")
+    cmd = "; ".join(f'echo "{u} $(curl -sk -m 5 {u})"' for u in URLS)
+    out = sbx.commands.run(cmd).stdout.splitlines()
+    got = {}
+    for url, line in zip(URLS, out, strict=True):
+        scheme, host = url.split("://")[0], url.split("/")[2]
+        body = line.split(" ", 1)[1].strip() if " " in line else ""
+        got[url] = bool(body)
+        if body:  # the name arrived as sent, at the address DNS gave
+            assert body.split() == [scheme, NAMES_IP[host], host], line
+    return got
+
+
+NAMES_IP = {"allowed.test": A, "denied.test": A, "x.wild.test": B}
+ONLY_ALLOWED = {u: "denied" not in u for u in URLS}
+EVERY_NAME = dict.fromkeys(URLS, True)
+
+
+def test_domain_rules_at_create_and_live(internet: None, sandboxes: list[object]) -> None:
+    sbx = Sandbox.create(template="base", timeout=120, network=ONLY_NAMES)
+    sandboxes.append(sbx)
+    assert by_name(sbx) == ONLY_ALLOWED
+    assert reach(sbx) == {A: False, B: False}  # other ports: the address rules only
+    sbx.update_network(
+        {"allow_out": ["denied.test"], "deny_out": ["0.0.0.0/0"], "dns_servers": [DNS]}
+    )
+    assert by_name(sbx) == {u: "denied.test" in u for u in URLS}
+    sbx.update_network({})
+    assert by_name(sbx) == EVERY_NAME
+
+
+def test_domain_rules_survive_pause_and_fork(
+    internet: None, e2b_env: Server, sandboxes: list[object]
+) -> None:
+    sbx = Sandbox.create(template="base", timeout=120, network=ONLY_NAMES)
+    sandboxes.append(sbx)
+    assert by_name(sbx) == ONLY_ALLOWED
+    assert sbx.pause()
+    again = Sandbox.connect(sbx.sandbox_id)
+    assert by_name(again) == ONLY_ALLOWED
+    with e2b_env.client() as c:
+        r = c.post(f"/sandboxes/{sbx.sandbox_id}/fork", json={"count": 1})
+    assert r.status_code == 201, r.text
+    child = Sandbox.connect(r.json()[0]["sandbox"]["sandboxID"])
+    sandboxes.append(child)
+    assert by_name(child) == ONLY_ALLOWED
+    # A server killed and started again: the running child keeps its rules (the proxy
+    # that serves its names is the server's own and comes back with it).
+    e2b_env.stop(signal.SIGKILL)
+    e2b_env.start()
+    assert by_name(Sandbox.connect(child.sandbox_id)) == ONLY_ALLOWED
 
 
 def test_private_traffic_and_internal_routes(e2b_env: Server, sandboxes: list[object]) -> None:

@@ -569,7 +569,6 @@ async def test_get_detail_shape(client: httpx.AsyncClient, orch: FakeOrchestrato
             "allowPublicTraffic": True,
             "allowOut": [],
             "denyOut": [],
-            "dnsServers": [],
         },
         "domain": None,
         "lifecycle": {"autoResume": True, "onTimeout": "pause"},
@@ -910,7 +909,7 @@ def test_e2b_sdk_create_and_connect(served: tuple[str, FakeOrchestrator]) -> Non
 @pytest.mark.parametrize(
     ("network", "needle"),
     [
-        ({"allowOut": ["example.com"]}, "domain names are not supported yet"),
+        ({"allowOut": ["exa mple.com"]}, "not an IPv4 address, CIDR block or domain name"),
         ({"denyOut": ["10.0.0.0/33"]}, "denyOut"),
         ({"allowOut": ["::1"]}, "IPv4"),
         ({"dnsServers": ["resolver"]}, "dnsServers"),
@@ -944,7 +943,6 @@ async def test_update_network_replaces_rules_and_shows_them(
         "allowPublicTraffic": True,
         "allowOut": ["198.51.100.0/24"],
         "denyOut": ["0.0.0.0/0"],
-        "dnsServers": [],
     }
     assert info["allowInternetAccess"] is True
     # Omitted fields are cleared; snake_case allow_internet_access as E2B sends it.
@@ -958,6 +956,27 @@ async def test_update_network_replaces_rules_and_shows_them(
     assert_error(
         await client.put(f"/sandboxes/{sbx.sandbox_id}/network", json={"allowOut": "x"}), 400
     )
+
+
+async def test_domain_rules_are_accepted_normalized_and_shown(
+    client: httpx.AsyncClient, orch: FakeOrchestrator
+) -> None:
+    network = {"allowOut": ["Example.COM.", "*.wild.test"], "denyOut": ["0.0.0.0/0"]}
+    r = await client.post("/v2/sandboxes", json={"templateID": "base", "network": network})
+    assert r.status_code == 201, r.text
+    want = EgressPolicy(allow_out=["example.com", "*.wild.test"], deny_out=["0.0.0.0/0"])
+    assert orch.requests[-1].egress == want
+    sbx = orch.add()
+    r = await client.put(
+        f"/sandboxes/{sbx.sandbox_id}/network",
+        json={"allowOut": ["api.example.com"], "denyOut": ["*.example.com"], "dnsServers": []},
+    )
+    assert r.status_code == 204, r.text
+    assert orch.calls[-1][1][1].dns_servers == []  # none, not the default
+    info = (await client.get(f"/sandboxes/{sbx.sandbox_id}")).json()
+    assert info["network"]["allowOut"] == ["api.example.com"]
+    assert info["network"]["denyOut"] == ["*.example.com"]
+    assert info["network"]["dnsServers"] == []
 
 
 async def test_oversized_bodies_are_refused(

@@ -426,6 +426,26 @@ async def test_fork_children_inherit_egress_rules(node: Harness) -> None:
         assert node.runtime.egress(res.sandbox.instance) == CLOSED
 
 
+async def test_a_restart_puts_domain_rules_back_in_force(tmp_path: Path) -> None:
+    """The slot keeps address rules across a server restart, but the proxy that serves domain
+    rules is the server's own: recovery applies those policies again (and only those)."""
+    names = EgressPolicy(allow_out=["allowed.test"], deny_out=["0.0.0.0/0"])
+    h = build(tmp_path)
+    await h.orch.start(timers=False)
+    by_name = await h.orch.create(CreateRequest(egress=names))
+    by_address = await h.orch.create(CreateRequest(egress=CLOSED))
+    h2 = await h.restart()
+    await h2.orch.start(timers=False)
+    try:
+        again = [c for c in h2.runtime.calls if c.op == "set_egress"]
+        assert [(c.sandbox_id, c.egress) for c in again] == [(by_name.sandbox_id, names)]
+        rec = h2.orch.get(by_address.sandbox_id)
+        assert rec.instance is not None and h2.runtime.egress(rec.instance) == CLOSED
+    finally:
+        await h2.orch.close()
+        h2.catalog.close()
+
+
 async def test_egress_rules_survive_a_restart(tmp_path: Path) -> None:
     h = build(tmp_path)
     await h.orch.start(timers=False)

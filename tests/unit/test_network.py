@@ -86,7 +86,11 @@ def test_from_settings() -> None:
 
 
 def test_an_open_policy_only_empties_the_egress_chain() -> None:
-    assert egress_rules(EgressPolicy()) == f"*filter\n:{EGRESS_CHAIN} - [0:0]\nCOMMIT\n"
+    c = EGRESS_CHAIN
+    assert (
+        egress_rules(EgressPolicy())
+        == f"*filter\n:{c} - [0:0]\nCOMMIT\n*nat\n:{c} - [0:0]\nCOMMIT\n"
+    )
 
 
 def test_egress_rules_in_order_allow_then_deny_then_the_rest() -> None:
@@ -106,13 +110,16 @@ def test_egress_rules_in_order_allow_then_deny_then_the_rest() -> None:
         f"-A {c} -p tcp -j REJECT --reject-with tcp-reset",
         f"-A {c} -j REJECT --reject-with icmp-port-unreachable",
         "COMMIT",
+        "*nat",
+        f":{c} - [0:0]",
+        "COMMIT",
     ]
     # Internet allowed: no final reject.
     assert "-A egress -j REJECT" not in egress_rules(EgressPolicy(deny_out=["1.2.3.4"]))
 
 
-@pytest.mark.parametrize("entry", ["example.com", "2001:db8::/32", "10.0.0.300", "", "1.2.3.4/33"])
-def test_egress_entries_must_be_ipv4(entry: str) -> None:
+@pytest.mark.parametrize("entry", ["ex ample.com", "2001:db8::/32", "10.0.0.300", "", "1.2.3.4/33"])
+def test_egress_entries_must_be_ipv4_or_domains(entry: str) -> None:
     with pytest.raises(ValueError):
         egress_rules(EgressPolicy(deny_out=[entry]))
     with pytest.raises(ValueError):

@@ -150,7 +150,7 @@ async def test_egress_policy_is_kept_per_container(runtime: FakeRuntime, specs: 
     await runtime.set_egress(b, opened)
     assert runtime.egress(b) == opened and runtime.egress(a) == closed
     with pytest.raises(ValueError):
-        await runtime.set_egress(a, EgressPolicy(allow_out=["example.com"]))
+        await runtime.set_egress(a, EgressPolicy(allow_out=["exa mple.com"]))
     assert runtime.egress(a) == closed
     assert [c.egress for c in runtime.calls if c.op == "set_egress"][0] == opened
     await runtime.destroy(a)

@@ -79,7 +79,7 @@ class EgressRules(_Request):
                 allow_internet=allow_internet_access is not False,
                 allow_out=list(self.allow_out or []),
                 deny_out=list(self.deny_out or []),
-                dns_servers=list(self.dns_servers or []),
+                dns_servers=None if self.dns_servers is None else list(self.dns_servers),
             ).normalized()
         except ValueError as e:
             raise BadRequest(f"invalid network rule: {e}") from None
@@ -276,7 +276,8 @@ class NetworkInfo(_Response):
     allow_public_traffic: bool = Field(alias="allowPublicTraffic")
     allow_out: list[str] = Field(alias="allowOut")
     deny_out: list[str] = Field(alias="denyOut")
-    dns_servers: list[str] = Field(alias="dnsServers")
+    # Left out when not set (E2B: missing means the default, 8.8.8.8).
+    dns_servers: list[str] | None = Field(default=None, alias="dnsServers")
     mask_request_host: str | None = Field(default=None, alias="maskRequestHost")
 
     @classmethod
@@ -285,7 +286,7 @@ class NetworkInfo(_Response):
             allowPublicTraffic=not r.traffic_access_token,
             allowOut=list(r.egress.allow_out),
             denyOut=list(r.egress.deny_out),
-            dnsServers=list(r.egress.dns_servers),
+            dnsServers=None if r.egress.dns_servers is None else list(r.egress.dns_servers),
             maskRequestHost=r.mask_request_host,
         )
 

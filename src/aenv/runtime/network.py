@@ -14,8 +14,9 @@ Slot N (names from `settings.net_prefix`, here `P`):
   - `P-INPUT` (first in INPUT): packets from our host veths `Ph+` to the host itself are
     dropped unless they belong to a connection the host opened. So a sandbox reaches no host
     service: not via the veth address, not via the host's other addresses, not 127.0.0.1.
-  - `P-FORWARD` (first in FORWARD): drops veth-to-veth traffic (sandbox to sandbox) and traffic
-    to link-local 169.254.0.0/16 (cloud metadata), accepts the rest of the egress and its replies.
+  - `P-FORWARD` (first in FORWARD): drops veth-to-veth traffic (sandbox to sandbox), traffic
+    to link-local 169.254.0.0/16 (cloud metadata) and to the node's own networks (its LAN, read
+    at start-up: `host_nets`), accepts the rest of the egress and its replies.
   - `P-POSTROUTING` (nat): MASQUERADE for the range, leaving the host.
   - `net.ipv4.ip_forward=1`.
 * Router netns: INPUT from `gw0` is dropped (the sandbox cannot talk to the router itself).
@@ -23,7 +24,12 @@ Slot N (names from `settings.net_prefix`, here `P`):
   rules (`apply_egress`, from an `EgressPolicy`). It is made empty with the slot, so an open
   policy costs nothing. A packet this chain accepts still crosses the host's `P-INPUT` and
   `P-FORWARD` on its way out of the router, so the fixed denies above (host, other sandboxes,
-  link-local) hold whatever the policy allows: no entry can open them.
+  link-local, the node's networks) hold whatever the policy allows: no entry can open them.
+* Domain rules: nat PREROUTING from `gw0` jumps to a nat chain `egress` too; with domains in
+  the policy it redirects new TCP connections to ports 80 and 443 to the slot's egress proxy
+  (`egress_proxy`, listening in the router netns on the gateway address; INPUT accepts
+  exactly those redirected connections), which decides by Host / SNI and connects from the
+  router netns, through the same host chains.
 
 Slots are built ahead of time by a small warm pool. Once runsc used an inner netns it has moved
 eth0's address into its netstack, so `release` tears the slot down and the pool builds fresh
@@ -48,6 +54,9 @@ from aenv.config import Settings
 from aenv.domain import EgressPolicy
 from aenv.errors import RuntimeFailure
 from aenv.runtime import _proc
+from aenv.runtime.egress_proxy import PROXY_PORT, EgressProxies
+from aenv.runtime.egress_rules import EGRESS_CHAIN, egress_rules
+from aenv.runtime.host_nets import read_own_networks
 
 log = logging.getLogger("aenv.runtime")
 
@@ -57,38 +66,6 @@ LINK_PREFIXLEN = 30
 NETNS_DIR = Path("/run/netns")
 SYS_NET = Path("/sys/class/net")
 IFNAMSIZ = 15  # usable characters of a Linux interface name
-EGRESS_CHAIN = "egress"  # in each router netns (so no prefix: nothing else lives there)
-
-
-def egress_rules(policy: EgressPolicy) -> str:
-    """`iptables-restore --noflush` input that rewrites a router's egress chain in one
-    transaction (no moment without rules): replies of established connections pass, then
-    `allow_out` accepts, `deny_out` rejects, and the rest is rejected unless
-    `allow_internet`. An open policy leaves the chain empty. ValueError for an entry that is
-    not an IPv4 address or block (`EgressPolicy.normalized`).
-
-    Rejects answer at once (TCP reset, else ICMP port unreachable) so a refused connection
-    fails fast in the sandbox instead of hanging until its timeout."""
-    p = policy.normalized()
-    c = EGRESS_CHAIN
-    # Declaring an existing user chain under --noflush flushes it (legacy and nft alike).
-    lines = ["*filter", f":{c} - [0:0]"]
-    if not p.is_open:
-        lines.append(f"-A {c} -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT")
-        lines += [f"-A {c} -d {net} -j ACCEPT" for net in p.allow_out]
-        for net in p.deny_out:
-            lines += _reject(f"-A {c} -d {net}")
-        if not p.allow_internet:
-            lines += _reject(f"-A {c}")
-    lines.append("COMMIT")
-    return "\n".join(lines) + "\n"
-
-
-def _reject(match: str) -> list[str]:
-    return [
-        f"{match} -p tcp -j REJECT --reject-with tcp-reset",
-        f"{match} -j REJECT --reject-with icmp-port-unreachable",
-    ]
 
 
 @dataclass(frozen=True)
@@ -197,6 +174,11 @@ class SlotAddressing:
         return f"{self.prefix}-POSTROUTING"
 
     @property
+    def if_pattern(self) -> re.Pattern[str]:
+        """Matches the names of this prefix's host veths."""
+        return self._if_re
+
+    @property
     def if_wildcard(self) -> str:
         return f"{self.prefix}h+"
 
@@ -206,12 +188,21 @@ class Network:
 
     def __init__(self, addressing: SlotAddressing) -> None:
         self.addr = addressing
+        # Read by `setup_host`; fixed denies of the host rules and of the egress proxies.
+        self.own_networks: list[ipaddress.IPv4Network] = []
+        self.proxies = EgressProxies(GATEWAY_IP, self._proxy_denies)
+
+    def _proxy_denies(self) -> list[ipaddress.IPv4Network]:
+        return [*self.own_networks, self.addr.cidr]
 
     # Host-wide rules ---------------------------------------------------------------------
 
     def _host_rules(self) -> str:
         a = self.addr
         veths = a.if_wildcard
+        own = "".join(
+            f"-A {a.forward_chain} -i {veths} -d {n} -j DROP\n" for n in self.own_networks
+        )
         return f"""*filter
 :{a.input_chain} - [0:0]
 :{a.forward_chain} - [0:0]
@@ -219,7 +210,7 @@ class Network:
 -A {a.input_chain} -i {veths} -j DROP
 -A {a.forward_chain} -i {veths} -o {veths} -j DROP
 -A {a.forward_chain} -i {veths} -d 169.254.0.0/16 -j DROP
--A {a.forward_chain} -i {veths} -j ACCEPT
+{own}-A {a.forward_chain} -i {veths} -j ACCEPT
 -A {a.forward_chain} -o {veths} -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
 COMMIT
 *nat
@@ -238,6 +229,7 @@ COMMIT
 
     async def setup_host(self) -> None:
         """Idempotent: (re)writes our chains and puts their jumps first in the built-in ones."""
+        self.own_networks = await read_own_networks(self.addr.if_pattern, self.addr.cidr)
         lines = [
             "set -e",
             "echo 1 > /proc/sys/net/ipv4/ip_forward",
@@ -295,11 +287,14 @@ EOF
 nsenter --net={NETNS_DIR / s.router_ns} /bin/sh -c \\
   'echo 1 > /proc/sys/net/ipv4/ip_forward && exec iptables-restore -w' <<EOF
 *nat
+:{EGRESS_CHAIN} - [0:0]
 -A PREROUTING -i up0 -d {s.router_ip} -j DNAT --to-destination {SANDBOX_IP}
+-A PREROUTING -i gw0 -j {EGRESS_CHAIN}
 -A POSTROUTING -o up0 -s {SANDBOX_IP} -j SNAT --to-source {s.router_ip}
 COMMIT
 *filter
 :{EGRESS_CHAIN} - [0:0]
+-A INPUT -i gw0 -d {GATEWAY_IP} -p tcp --dport {PROXY_PORT} -m conntrack --ctstate DNAT -j ACCEPT
 -A INPUT -i gw0 -j DROP
 -A FORWARD -i gw0 -j {EGRESS_CHAIN}
 COMMIT
@@ -335,17 +330,26 @@ EOF
         log.debug("slot %d re-armed in %.1f ms", n, (time.perf_counter() - t0) * 1000)
 
     async def apply_egress(self, n: int, policy: EgressPolicy) -> None:
-        """Replaces the egress rules of slot `n` atomically (see `egress_rules`); works with
-        or without a sandbox in the slot. RuntimeFailure when the slot is gone."""
+        """Replaces the egress rules of slot `n` atomically (see `egress_rules`) and starts,
+        updates or stops its egress proxy; works with or without a sandbox in the slot.
+        RuntimeFailure when the slot is gone."""
         rules = egress_rules(policy)
+        p = policy.normalized()
         ns = NETNS_DIR / self.addr.router_ns(n)
         t0 = time.perf_counter()
+        if p.has_domains:  # listening before anything is redirected to it
+            try:
+                await self.proxies.apply(n, str(ns), p)
+            except OSError as e:
+                raise RuntimeFailure(f"egress proxy of slot {n}: {e}") from e
         await _proc.run(
             ["nsenter", f"--net={ns}", "iptables-restore", "-w", "--noflush"],
             input=rules,
             time_limit=30,
             what=f"egress rules of slot {n}",
         )
+        if not p.has_domains:
+            await self.proxies.stop(n)
         log.debug("slot %d egress rules in %.1f ms", n, (time.perf_counter() - t0) * 1000)
 
     async def drop_connections(self, address: str) -> None:
@@ -360,6 +364,7 @@ EOF
 
     async def teardown(self, n: int) -> None:
         """Deletes the host veth and both netns of slot `n`; missing parts are fine."""
+        await self.proxies.stop(n)
         a = self.addr
         batch = f"link del {a.host_if(n)}\nnetns del {a.router_ns(n)}\nnetns del {a.inner_ns(n)}\n"
         await _proc.run(["ip", "-force", "-batch", "-"], input=batch, check=False, time_limit=30)
@@ -381,6 +386,10 @@ EOF
     async def existing(self) -> set[int]:
         """Indices of slots with any trace on the host (a netns or a host veth)."""
         return await asyncio.to_thread(self._scan)
+
+    async def close(self) -> None:
+        """Stops every egress proxy (the rules stay; the next start serves them again)."""
+        await self.proxies.close()
 
     async def cleanup(self, keep: set[int]) -> set[int]:
         """Tears down every slot of our prefix not in `keep`; returns the removed indices."""

@@ -99,6 +99,7 @@ class GVisorRuntime(Runtime):
             self._reaper = None
         await self.pool.close()
         await self.wait_idle()
+        await self.network.close()
 
     async def _reap_loop(self, interval: float = 10.0) -> None:
         """Reaps runsc processes that exited on their own (a sandbox's systrap stubs, a
