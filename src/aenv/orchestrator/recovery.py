@@ -122,8 +122,20 @@ class Recovery:
             log.warning("sandbox %s: its container could not be %s: %s", r.sandbox_id, how, e)
             return False
         r.instance = inst
+        await self._reapply_egress(r)
         log.info("recovered sandbox %s (%s)", r.sandbox_id, r.tier or r.state)
         return True
+
+    async def _reapply_egress(self, r: SandboxRecord) -> None:
+        """The slot kept its rules, but not what the server itself serves for them (the
+        egress proxy of domain rules): put the record's policy in force again."""
+        if not r.egress.has_domains or r.instance is None:
+            return
+        try:
+            await self.runtime.set_egress(r.instance, r.egress)
+        except Exception as e:
+            # Fail closed: the slot's own rules still send 80/443 to a proxy not there.
+            log.warning("egress rules of recovered sandbox %s: %s", r.sandbox_id, e)
 
     def _files_back(self, r: SandboxRecord, op: PendingOp | None, seal: bool) -> bool:
         """Makes sure the record names the sandbox's files: its upper (sealed into a layer
