@@ -68,6 +68,25 @@ def _last_used(info: LayerInfo) -> float:
         return 0.0
 
 
+# Switching a new database to WAL wants it to itself and does not wait for a busy one: two
+# caches of one store (each `pull` may make its own) opening it first at once made one fail
+# with "database is locked". One lock for the process; a moment's retry for other processes.
+_PREPARE = threading.Lock()
+
+
+def _prepare(conn: sqlite3.Connection, path: Path) -> None:
+    with _PREPARE:
+        for attempt in range(50):
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.executescript(_SCHEMA)
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or attempt == 49:
+                    raise
+                time.sleep(0.1)
+
+
 class LayerCache:
     """References to and eviction of the layers of one `LayerStore`."""
 
@@ -75,9 +94,6 @@ class LayerCache:
         self.store = store
         self.db_path = db_path or store.root / "refs.db"
         self._ready = False
-        # Switching a new database to WAL wants it to itself and does not wait for a busy
-        # one: two threads opening it first at once made one fail with "database is locked".
-        self._init = threading.Lock()
 
     @contextlib.contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
@@ -86,11 +102,8 @@ class LayerCache:
         conn = sqlite3.connect(self.db_path, timeout=60, isolation_level=None)
         try:
             if not self._ready:
-                with self._init:
-                    if not self._ready:
-                        conn.execute("PRAGMA journal_mode=WAL")
-                        conn.executescript(_SCHEMA)
-                        self._ready = True
+                _prepare(conn, self.db_path)
+                self._ready = True
             yield conn
         finally:
             conn.close()
