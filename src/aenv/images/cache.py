@@ -74,7 +74,7 @@ def _last_used(info: LayerInfo) -> float:
 _PREPARE = threading.Lock()
 
 
-def _prepare(conn: sqlite3.Connection, path: Path) -> None:
+def _prepare(conn: sqlite3.Connection) -> None:
     with _PREPARE:
         for attempt in range(50):
             try:
@@ -102,7 +102,7 @@ class LayerCache:
         conn = sqlite3.connect(self.db_path, timeout=60, isolation_level=None)
         try:
             if not self._ready:
-                _prepare(conn, self.db_path)
+                _prepare(conn)
                 self._ready = True
             yield conn
         finally:
