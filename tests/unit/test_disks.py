@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from aenv.config import Settings
+from aenv.images.layers import LayerStore
+from aenv.orchestrator.storage import SandboxStorage
 from aenv.runtime.disks import Disks
 from aenv.runtime.rootfs import is_mount_point
 
@@ -79,3 +82,28 @@ def test_spares_are_formatted_ahead_and_taken(disks: Disks) -> None:
     assert disks.image("sbx1").exists()
     disks.refill(32)  # another size: the old spares go, new ones come
     assert [p.stat().st_size for p in disks.images_dir.glob("spare-*")] == [32 * 2**20]
+
+
+def test_storage_puts_uppers_on_disks_and_sweeps_orphans_with_theirs(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path, default_disk_mb=16, disk_spares=0)
+    storage = SandboxStorage(settings, LayerStore(settings))
+    assert storage.disks is not None
+    for sandbox_id in ("kept", "orphan"):
+        upper = storage.first_upper(sandbox_id)
+        storage.ensure_upper(sandbox_id, upper, 16)
+        assert is_mount_point(settings.rw_dir / sandbox_id) and upper.is_dir()
+    (storage.first_upper("kept") / "f").write_text("x")
+    # The layer store is another filesystem: sealing copies the upper out of the disk.
+    digest = storage.seal(storage.first_upper("kept"), "kept")
+    assert (storage.layers.path(digest) / "f").read_text() == "x"
+    try:
+        # A crash left "orphan" (no record): the start-up sweep takes its disk as well.
+        removed = storage.sweep_uppers({"kept": (str(storage.new_upper("kept")), None)})
+        assert removed >= 1
+        assert storage.disks.owners() == {"kept"}
+        assert not (settings.rw_dir / "orphan").exists()
+        assert is_mount_point(settings.rw_dir / "kept")
+    finally:
+        storage.remove_sandbox("kept")
+        storage.remove_sandbox("orphan")
+    assert storage.disks.owners() == set()
