@@ -8,3 +8,4 @@ from hypothesis import settings
 # example can take 10x its usual time, and a per-example deadline then fails a correct test.
 settings.register_profile("aenv", deadline=None)
 settings.load_profile("aenv")
+
