@@ -106,7 +106,10 @@ class Catalog:
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        self._db.close()
+        # Under the lock: closing the connection while a thread runs a query on it crashes
+        # the interpreter (seen: a node dropped mid-operation, as the crash tests do).
+        with self._lock:
+            self._db.close()
 
     def _run(self, sql: str, args: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
         with self._lock:
