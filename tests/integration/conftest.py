@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from aenv.runtime.rootfs import mount_points
 from tests.helpers import ROOT, free_port, wait_healthy
 
 AENV = str(Path(sys.executable).with_name("aenv"))
@@ -120,7 +121,10 @@ def running_server(prefix: str, cidr: str, **extra: str) -> Iterator[Server]:
                 srv.kill_all_sandboxes()
         srv.stop()
         _wipe_runtime(env)
-        subprocess.run(["umount", "-R", "-l", str(home)], check=False, capture_output=True)
+        # Every mount below the home (sandbox disks stay mounted while their sandboxes are
+        # hibernated), deepest first: `umount -R` alone does nothing, the home is no mount.
+        for mount in mount_points(home):
+            subprocess.run(["umount", "-l", str(mount)], check=False, capture_output=True)
         shutil.rmtree(home, ignore_errors=True)
 
 
