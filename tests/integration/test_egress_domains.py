@@ -39,7 +39,7 @@ pytestmark = [
     ),
 ]
 
-PREFIX, CIDR = "aetsd", "10.215.0.0/16"
+PREFIX, CIDR = "aetdn", "10.215.0.0/16"  # not aetsd: test_runtime_contract restarts under that
 LAN_HOST, LAN_PEER, LAN_PLEN = "198.51.100.1", "198.51.100.7", 24
 
 # In the sandbox: a TLS client sending `$1` as its server name over the socket nc made.
