@@ -42,12 +42,6 @@ class Conflict(AenvError):
     status = 409
 
 
-class Gone(AenvError):
-    """A paused sandbox reached through the proxy without auto-resume."""
-
-    status = 410
-
-
 class TooManyRequests(AenvError):
     status = 429
 
@@ -58,6 +52,30 @@ class InternalError(AenvError):
 
 class BadGateway(AenvError):
     status = 502
+
+
+class SandboxNotFound(BadGateway):
+    """The data plane's answer for a sandbox it cannot route to (unknown, killed, timed out,
+    or paused without auto-resume), in the words of E2B's edge proxy: the SDKs read this 502
+    as "not running" (`is_running()` is False, a broken-off stream says the sandbox was
+    killed). `state` tells a paused sandbox from a gone one; E2B's body has no such field."""
+
+    MESSAGE = "The sandbox was not found"
+
+    def __init__(self, sandbox_id: str, *, state: str | None = None) -> None:
+        super().__init__(self.MESSAGE)
+        self.sandbox_id = sandbox_id
+        self.state = state
+
+    def to_json(self) -> dict[str, object]:
+        body: dict[str, object] = {
+            "code": self.status,
+            "message": self.MESSAGE,
+            "sandboxId": self.sandbox_id,
+        }
+        if self.state:
+            body["state"] = self.state
+        return body
 
 
 class Unavailable(AenvError):

@@ -36,14 +36,16 @@ def test_http_by_headers_and_host(e2b_env: Server, app_sbx: Sandbox) -> None:
     assert r.status_code == 200 and r.text == "hello from the sandbox app\n"
     r = httpx.get(f"{e2b_env.url}/index.html", headers={"Host": f"8080-{sid}.localhost"})
     assert r.status_code == 200 and r.text == "hello from the sandbox app\n"
-    # a port nobody listens on is a JSON 502, an unknown sandbox a JSON 404
+    # E2B's edge answers, both JSON 502s: a port nobody listens on, an unknown sandbox
     r = httpx.get(f"{e2b_env.url}/", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "9"})
-    assert r.status_code == 502 and r.json()["code"] == 502
+    assert r.status_code == 502
+    assert r.json()["message"] == "The sandbox is running but port is not open"
+    assert r.json()["port"] == 9
     r = httpx.get(
         f"{e2b_env.url}/",
         headers={"E2b-Sandbox-Id": "inosuchsandbox00000", "E2b-Sandbox-Port": "8080"},
     )
-    assert r.status_code == 404 and "message" in r.json()
+    assert r.status_code == 502 and r.json()["message"] == "The sandbox was not found"
 
 
 def test_websocket(e2b_env: Server, app_sbx: Sandbox) -> None:

@@ -136,6 +136,41 @@ def test_timeout_kill_and_not_found(sandboxes: list[object]) -> None:
         Sandbox.connect("inotexisting0000000")
 
 
+def test_kill_ends_open_streams_and_is_running(sandboxes: list[object]) -> None:
+    """As on E2B: a kill ends a running command's and a PTY's streams (not a hang until the
+    command would have ended) with the SDK's "killed" error, and `is_running()` says False."""
+    from e2b.sandbox.commands.command_handle import PtySize
+
+    s = Sandbox.create(template="base", timeout=120)
+    sandboxes.append(s)
+    assert s.is_running()
+    cmd = s.commands.run("sleep 600", background=True)
+    pty = s.pty.create(PtySize(rows=24, cols=80))
+    errors: dict[str, BaseException] = {}
+
+    def wait(name: str, handle: object) -> None:
+        try:
+            handle.wait()  # type: ignore[attr-defined]
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertions
+            errors[name] = exc
+
+    waiters = [
+        threading.Thread(target=wait, args=(n, h), daemon=True)
+        for n, h in (("command", cmd), ("pty", pty))
+    ]
+    for t in waiters:
+        t.start()
+    time.sleep(0.5)
+    assert s.kill()
+    for t in waiters:
+        t.join(60)
+    assert not any(t.is_alive() for t in waiters), "a stream outlived its sandbox"
+    assert set(errors) == {"command", "pty"}
+    for exc in errors.values():
+        assert "sandbox was killed or reached its end of life" in str(exc), repr(exc)
+    assert not s.is_running()
+
+
 def test_ttl_expiry_kills(sandboxes: list[object]) -> None:
     s = Sandbox.create(template="base", timeout=2)
     sandboxes.append(s)

@@ -121,7 +121,10 @@ def test_proxy_on_paused_sandbox(e2b_env: Server, sandboxes: list[object]) -> No
     plain.pause()
     hdr = {"E2b-Sandbox-Id": plain.sandbox_id, "E2b-Sandbox-Port": "49983"}
     r = httpx.get(f"{e2b_env.url}/health", headers=hdr)
-    assert r.status_code == 410 and r.json()["code"] == 410
+    # E2B's edge answer, which the SDK reads as "not running"
+    assert r.status_code == 502 and r.json()["message"] == "The sandbox was not found"
+    assert r.json()["state"] == "paused"
+    assert not plain.is_running()
     with e2b_env.client() as c:
         resp = c.post(
             "/v2/sandboxes",

@@ -4,7 +4,7 @@ pagination, validation, idempotency, and the real e2b SDK parsing our responses.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -166,6 +166,9 @@ class FakeOrchestrator:
     ) -> Upstream:
         self.get(sandbox_id)
         return Upstream("127.0.0.1", port)
+
+    def on_sandbox_stopped(self, listener: Callable[[str], None]) -> None:
+        pass
 
 
 @pytest.fixture

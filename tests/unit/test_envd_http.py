@@ -589,6 +589,17 @@ def test_files_upload_download(client: httpx.Client, tmp_path: Path) -> None:
     assert e["metadata"] == {"owner": "alice"}
     r = client.get("/files", params={"path": str(raw)}, headers={"accept-encoding": "gzip"})
     assert r.headers["content-encoding"] == "gzip" and r.content == blob
+    # a write's metadata is the file's whole metadata: a later write without any clears it
+    for headers, expected in (({"x-metadata-team": "x"}, {"team": "x"}), ({}, None)):
+        r = client.post(
+            "/files",
+            params={"path": str(raw)},
+            content=b"again",
+            headers={"content-type": "application/octet-stream", **headers},
+        )
+        assert r.status_code == 200, r.text
+        e = rpc(client, "filesystem.Filesystem/Stat", {"path": str(raw)}).json()["entry"]
+        assert e.get("metadata") == expected
 
     r = client.get("/files", params={"path": "/proc/self/status"})
     assert r.status_code == 200 and b"Pid:" in r.content  # st_size 0, real content

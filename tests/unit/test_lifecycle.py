@@ -18,7 +18,14 @@ from aenv.domain import (
     SandboxState,
     TemplateKind,
 )
-from aenv.errors import Conflict, Forbidden, NotFound, RuntimeFailure, Unavailable
+from aenv.errors import (
+    Conflict,
+    Forbidden,
+    NotFound,
+    RuntimeFailure,
+    SandboxNotFound,
+    Unavailable,
+)
 from aenv.runtime.fake import FakeState
 from tests.node_harness import Harness, build, started
 
@@ -152,8 +159,9 @@ async def test_proxy_resolve_resumes_only_with_auto_resume(node: Harness) -> Non
     auto = await node.orch.create(CreateRequest(auto_resume=True))
     for r in (plain, auto):
         await node.orch.pause(r.sandbox_id)
-    with pytest.raises(Exception, match="paused"):
+    with pytest.raises(SandboxNotFound) as refused:
         await node.orch.resolve(plain.sandbox_id, 8080)
+    assert refused.value.status == 502 and refused.value.state == "paused"
     up = await node.orch.resolve(auto.sandbox_id, 8080)
     assert up.port == 8080 and up.host == node.orch.get(auto.sandbox_id).address
     assert node.orch.get(auto.sandbox_id).state is SandboxState.RUNNING
@@ -505,3 +513,19 @@ async def test_fork_children_get_their_own_traffic_tokens(node: Harness) -> None
     tokens = {k.traffic_access_token for k in kids if k is not None}
     assert len(tokens) == 2 and "" not in tokens
     assert parent.traffic_access_token not in tokens
+
+
+async def test_stop_listeners_hear_of_every_end_of_a_sandboxes_processes(node: Harness) -> None:
+    """The data plane breaks off streams on this: a kill, a hibernation and a files-only pause
+    end the processes; a freeze keeps them (they go on after the thaw)."""
+    heard: list[str] = []
+    node.orch.on_sandbox_stopped(heard.append)
+    frozen = await node.orch.create(CreateRequest())
+    files = await node.orch.create(CreateRequest())
+    killed = await node.orch.create(CreateRequest())
+    await node.orch.pause(frozen.sandbox_id)
+    assert heard == []
+    await node.orch.hibernate(frozen.sandbox_id)
+    await node.orch.pause(files.sandbox_id, memory=False)
+    await node.orch.kill(killed.sandbox_id)
+    assert heard == [frozen.sandbox_id, files.sandbox_id, killed.sandbox_id]

@@ -24,7 +24,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from aenv.domain import Upstream
-from aenv.errors import Forbidden, Gone, NotFound
+from aenv.errors import Forbidden, SandboxNotFound
 from aenv.proxy import ConnectionPool, HttpForwarder, SandboxRouter
 from tests.helpers import free_port, uvicorn_task
 
@@ -301,9 +301,9 @@ async def env() -> AsyncIterator[Env]:
                     raise Forbidden("sandbox private is private")
                 return Upstream("127.0.0.1", upstream_port, host_header=f"masked:{port}")
             if sandbox_id == "missing":
-                raise NotFound(f"sandbox {sandbox_id} not found")
+                raise SandboxNotFound(sandbox_id)
             if sandbox_id == "paused":
-                raise Gone(f"sandbox {sandbox_id} is paused")
+                raise SandboxNotFound(sandbox_id, state="paused")
             if sandbox_id == "boom":
                 raise RuntimeError("resolver bug")
             if sandbox_id == "dead":
@@ -489,12 +489,18 @@ async def test_bad_routing_headers(env: Env) -> None:
 
 async def test_resolver_errors_become_json(env: Env) -> None:
     async with env.client() as c:
+        # E2B's edge answers: the SDKs read "was not found" in a 502 as "not running"
         r = await c.get("/health", headers={"e2b-sandbox-id": "missing"})
-        assert r.status_code == 404
-        assert r.json() == {"code": 404, "message": "sandbox missing not found"}
+        assert r.status_code == 502
+        assert r.json() == {
+            "code": 502,
+            "message": "The sandbox was not found",
+            "sandboxId": "missing",
+        }
         r = await c.get("/health", headers={"e2b-sandbox-id": "paused"})
-        assert r.status_code == 410
-        assert r.json() == {"code": 410, "message": "sandbox paused is paused"}
+        assert r.status_code == 502
+        assert r.json()["message"] == "The sandbox was not found"
+        assert r.json()["state"] == "paused"
         r = await c.get("/health", headers={"e2b-sandbox-id": "boom"})
         assert r.status_code == 500
         assert r.json()["code"] == 500
@@ -533,8 +539,9 @@ async def test_unreachable_upstream_is_502(env: Env) -> None:
     assert r.headers["content-type"] == "application/json"
     body = r.json()
     assert body["code"] == 502
-    assert body["message"].startswith("sandbox dead port 49983 is not reachable: ")
-    assert "refused" in body["message"]
+    assert body["message"] == "The sandbox is running but port is not open"
+    assert body["sandboxId"] == "dead" and body["port"] == 49983
+    assert "refused" in body["detail"]
 
 
 async def test_control_plane_passthrough(env: Env) -> None:
@@ -843,7 +850,7 @@ async def test_websocket_client_close_reaches_sandbox(env: Env) -> None:
 
 async def test_websocket_errors(env: Env) -> None:
     base = f"ws://127.0.0.1:{env.proxy_port}"
-    for sid, status in (("missing", 404), ("paused", 410), ("dead", 502)):
+    for sid, status in (("missing", 502), ("paused", 502), ("dead", 502)):
         with pytest.raises(InvalidStatus) as info:
             await ws_connect(f"{base}/ws", additional_headers={"e2b-sandbox-id": sid}, proxy=None)
         response = info.value.response
@@ -858,3 +865,31 @@ async def test_websocket_errors(env: Env) -> None:
     assert info.value.response.status_code == 403
     assert info.value.response.body == b"nope"
     assert info.value.response.headers["x-why"] == "policy"
+
+
+async def test_drop_breaks_off_streams_in_flight(env: Env) -> None:
+    """What the node does when a sandbox is killed: a response streaming from it ends at once
+    (the client sees the connection cut, as from E2B when a sandbox dies), a WebSocket gets
+    an abnormal close, and the next request opens a fresh connection."""
+    victim = {"e2b-sandbox-id": "victim", "e2b-sandbox-port": "49983"}
+    async with env.client() as c, c.stream("GET", "/hang", headers=victim) as r:
+        chunks = r.aiter_raw()
+        assert await anext(chunks) == b"tick\n"
+        env.router.drop("victim")
+        with pytest.raises(httpx.RemoteProtocolError):
+            await asyncio.wait_for(anext(chunks), 5)
+    await asyncio.wait_for(env.upstream.hang_disconnected.wait(), 5)
+    env.upstream.hang_disconnected.clear()
+
+    url = f"ws://127.0.0.1:{env.proxy_port}/ws"
+    async with ws_connect(url, additional_headers=victim, proxy=None) as ws:
+        await ws.send("ping")
+        assert await ws.recv() == "ping"
+        env.router.drop("victim")
+        with pytest.raises(ConnectionClosed) as closed:
+            await asyncio.wait_for(ws.recv(), 5)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1014
+
+    async with env.client() as c:
+        r = await c.get("/health", headers=victim)
+    assert r.status_code == 200

@@ -383,8 +383,7 @@ async def upload(req: Request, resp: Response, user: User, meta_store: Metadata)
     seen: set[str] = set()
 
     def record(path: str) -> None:
-        if meta:
-            meta_store.set(path, meta)
+        meta_store.replace(path, meta)
         item: dict[str, Any] = {"path": path, "name": os.path.basename(path), "type": "file"}
         if meta:
             item["metadata"] = dict(meta)

@@ -63,6 +63,21 @@ class Metadata:
         if fallback:
             self.mem.setdefault(path, {}).update(fallback)
 
+    def replace(self, path: str, meta: dict[str, str]) -> None:
+        """A write's metadata is the file's whole metadata: what an earlier write left (an
+        xattr on a file truncated in place, the in-memory fallback) goes."""
+        try:
+            names = os.listxattr(path, follow_symlinks=False)
+        except OSError:
+            names = []
+        for name in names:
+            if name.startswith(XATTR_PREFIX):
+                with contextlib.suppress(OSError):
+                    os.removexattr(path, name, follow_symlinks=False)
+        self.mem.pop(path, None)
+        if meta:
+            self.set(path, meta)
+
     def forget(self, path: str) -> None:
         if not self.mem:
             return

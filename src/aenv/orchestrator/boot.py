@@ -262,6 +262,7 @@ class Booter:
     async def forget(self, r: SandboxRecord) -> None:
         """Drops what a sandbox that is gone left on this node's disk: its uppers and
         its layer references (a hibernation image is its pause tier's to drop)."""
+        self.ctx.stopped(r.sandbox_id)
         await asyncio.to_thread(self.storage.remove_sandbox, r.sandbox_id)
         await asyncio.to_thread(self.storage.release, "sandbox", r.sandbox_id)
 

@@ -29,9 +29,22 @@ class NodeContext:
     # Tells this run of the node from earlier ones (boot snapshots are made anew each run).
     run_id: str = field(default_factory=lambda: secrets.token_hex(8))
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    _stop_listeners: list[Callable[[str], None]] = field(default_factory=list)
 
     def now(self) -> datetime:
         return self.clock()
+
+    def on_stopped(self, listener: Callable[[str], None]) -> None:
+        """`listener(sandbox_id)` runs whenever a sandbox's processes end (kill, loss, a
+        pause that stops them): the data plane breaks off what it has in flight to it."""
+        self._stop_listeners.append(listener)
+
+    def stopped(self, sandbox_id: str) -> None:
+        for listener in self._stop_listeners:
+            try:
+                listener(sandbox_id)
+            except Exception:
+                log.exception("a stop listener failed for sandbox %s", sandbox_id)
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
         """Runs `coro` in the background; the node waits for it at shutdown."""

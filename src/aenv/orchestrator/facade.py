@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +192,10 @@ class Orchestrator:
         self, sandbox_id: str, port: int, traffic_token: str | None = None
     ) -> Upstream:
         return await self._pauser.resolve(sandbox_id, port, traffic_token)
+
+    def on_sandbox_stopped(self, listener: Callable[[str], None]) -> None:
+        """`listener(sandbox_id)` runs whenever a sandbox's processes end."""
+        self._ctx.on_stopped(listener)
 
     # ------------------------------------------------------------------ snapshots, fork
     async def snapshot(

@@ -33,7 +33,7 @@ from ..domain import (
     Timings,
     Upstream,
 )
-from ..errors import Conflict, Forbidden, Gone, NotFound
+from ..errors import Conflict, Forbidden, SandboxNotFound
 from ..runtime.base import Runtime
 from .boot import Booter
 from .context import NodeContext, check_timeout
@@ -75,6 +75,7 @@ class Pauser:
                         await self.runtime.destroy(r.instance)
                 finally:
                     r.pending = None
+                self.ctx.stopped(sandbox_id)
                 r.instance = None
                 r.paused = PausedState(PauseTier.FILES, self.ctx.now())
             else:
@@ -133,6 +134,7 @@ class Pauser:
             crashpoint.hit("hibernate.checkpointed")
             with t.stage("release"):
                 await self.runtime.destroy(inst)
+            self.ctx.stopped(r.sandbox_id)
             crashpoint.hit("hibernate.released")
             r.instance = None
             # Sealed, the files are plain layers: the repository can hold the whole sandbox.
@@ -260,7 +262,7 @@ class Pauser:
         refused request wakes nothing)."""
         r = self.table.find(sandbox_id)
         if r is None or r.state not in LIVE_STATES:
-            raise NotFound(f"sandbox {sandbox_id!r} not found")
+            raise SandboxNotFound(sandbox_id)
         presented = (traffic_token or "").encode()
         if (
             r.traffic_access_token
@@ -273,9 +275,9 @@ class Pauser:
             )
         if r.state is not SandboxState.RUNNING:
             if not r.auto_resume:
-                raise Gone(f"sandbox {sandbox_id!r} is paused")
+                raise SandboxNotFound(sandbox_id, state="paused")
             await self.connect(sandbox_id, max(300, self.ctx.settings.default_timeout))
         if r.address is None:
-            raise NotFound(f"sandbox {sandbox_id!r} is not running")
+            raise SandboxNotFound(sandbox_id)
         mask = r.mask_request_host
         return Upstream(r.address, port, mask.replace("${PORT}", str(port)) if mask else None)

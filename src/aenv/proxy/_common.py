@@ -63,9 +63,14 @@ class Target:
         return f"{host}:{self.port}"
 
     def unreachable(self, reason: str) -> dict[str, object]:
+        """E2B's edge answer for a running sandbox whose port takes no connection (clients
+        match its message); `detail` says what failed."""
         return {
             "code": 502,
-            "message": f"sandbox {self.sandbox_id} port {self.sandbox_port} is not reachable: {reason}",
+            "message": "The sandbox is running but port is not open",
+            "sandboxId": self.sandbox_id,
+            "port": self.sandbox_port,
+            "detail": reason,
         }
 
 

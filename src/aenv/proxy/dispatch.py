@@ -18,9 +18,12 @@ are about the address the user reaches it by.
 envd's internal routes are refused (403). The resolver gets the client's
 `e2b-traffic-access-token` and decides (a private sandbox's ports want it: 403 otherwise).
 
-Resolver errors keep their status and `{code, message}` body (NotFound 404, Gone 410, a failed
-auto-resume 502, a timed-out one 504...); an unreachable sandbox port is a 502 (the E2B SDK
-reads a 502 from envd `/health` as "sandbox not running").
+Resolver errors keep their status and `{code, message}` body. As behind E2B's edge, a sandbox
+that is unknown, gone or paused without auto-resume is a 502 "The sandbox was not found" and
+a port nobody listens on a 502 "The sandbox is running but port is not open" (the SDKs read the
+first from envd's `/health` as "not running"); a failed auto-resume is a 502, a timed-out one
+504. `drop(sandbox_id)` (the node calls it when a sandbox's processes end) breaks off the
+requests and WebSockets in flight to it, so their clients learn at once.
 """
 
 from __future__ import annotations
@@ -271,8 +274,10 @@ class SandboxRouter:
     # -- housekeeping ------------------------------------------------------------------
 
     def drop(self, sandbox_id: str) -> None:
-        """Forget pooled connections to a sandbox (the orchestrator may call it on pause/kill)."""
+        """Breaks off every connection to a sandbox whose processes ended (the node calls it
+        on kill, loss and the pauses that stop them)."""
         self.http.drop(sandbox_id)
+        self.ws.drop(sandbox_id)
 
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from aenv.errors import SandboxNotFound
+
 from ._common import Headers, Message, Receive, Scope, Send, Target, end_to_end, send_json
 from .pool import Connection, ConnectionPool
 
@@ -311,11 +313,11 @@ class _Exchange:
             try:
                 data = await reader.readuntil(b"\r\n\r\n")
             except asyncio.IncompleteReadError as exc:
-                if first and conn.reused and not exc.partial and not self.client_gone:
+                if first and conn.reused and not exc.partial and self._may_retry(conn):
                     raise _Retry from exc
                 raise
             except (ConnectionResetError, BrokenPipeError) as exc:
-                if first and conn.reused and not self.client_gone:
+                if first and conn.reused and self._may_retry(conn):
                     raise _Retry from exc
                 raise
             first = False
@@ -326,8 +328,14 @@ class _Exchange:
                 continue  # interim responses (100 Continue, 103 Early Hints) are not relayed
             return version, status, headers
 
+    def _may_retry(self, conn: Connection) -> bool:
+        return not (self.client_gone or conn.dropped)
+
     async def _fail_before_response(self, reason: str) -> None:
         if self.client_gone:
+            return
+        if self.conn is not None and self.conn.dropped:
+            await send_json(self.send, 502, SandboxNotFound(self.target.sandbox_id).to_json())
             return
         log.info(
             "proxy: sandbox %s port %s unreachable: %s",
@@ -412,7 +420,8 @@ class _Exchange:
             if not self.client_gone:
                 # Returning without finishing makes the ASGI server cut the client connection,
                 # which is how a truncated body is signalled.
-                log.warning(
+                log.log(
+                    logging.INFO if conn.dropped else logging.WARNING,
                     "proxy: sandbox %s port %s: upstream response broken off: %s",
                     self.target.sandbox_id,
                     self.target.sandbox_port,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 
 PoolKey = tuple[str, str, int]
 
@@ -18,7 +19,7 @@ HEAD_LIMIT = 1 << 17  # max bytes of a response head (status line + headers)
 class Connection:
     """One upstream connection; `reused` once it has come back out of the pool."""
 
-    __slots__ = ("key", "reader", "writer", "reused", "idle_since")
+    __slots__ = ("key", "reader", "writer", "reused", "idle_since", "dropped", "__weakref__")
 
     def __init__(
         self, key: PoolKey, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -28,6 +29,7 @@ class Connection:
         self.writer = writer
         self.reused = False
         self.idle_since = 0.0
+        self.dropped = False  # broken off by `ConnectionPool.drop`: its sandbox is gone
 
     def usable(self) -> bool:
         # Bytes arriving on an idle connection (a 408, garbage) make it unusable too.
@@ -55,6 +57,8 @@ class ConnectionPool:
         self.idle_timeout = idle_timeout
         self.max_idle_per_key = max_idle_per_key
         self._idle: dict[PoolKey, list[Connection]] = {}
+        # Every open connection, idle or in use, by sandbox: `drop` breaks them all off.
+        self._open: dict[str, weakref.WeakSet[Connection]] = {}
         self._last_sweep = time.monotonic()
 
     async def acquire(
@@ -72,7 +76,9 @@ class ConnectionPool:
                     conn.close()
         async with asyncio.timeout(self.connect_timeout):
             reader, writer = await asyncio.open_connection(host, port, limit=HEAD_LIMIT)
-        return Connection(key, reader, writer)
+        conn = Connection(key, reader, writer)
+        self._open.setdefault(key[0], weakref.WeakSet()).add(conn)
+        return conn
 
     def release(self, conn: Connection) -> None:
         if not conn.usable():
@@ -101,12 +107,17 @@ class ConnectionPool:
                 self._idle[key] = keep
             else:
                 del self._idle[key]
+        for sandbox_id in [s for s, conns in self._open.items() if not conns]:
+            del self._open[sandbox_id]
 
     def drop(self, sandbox_id: str) -> None:
-        """Close idle connections to one sandbox (call on pause/kill)."""
+        """Breaks off every connection to one sandbox, idle or carrying a request (its
+        processes ended: a reply in flight would never come, the peer sends no reset)."""
         for key in [k for k in self._idle if k[0] == sandbox_id]:
-            for conn in self._idle.pop(key):
-                conn.close()
+            self._idle.pop(key)
+        for conn in list(self._open.pop(sandbox_id, ())):
+            conn.dropped = True
+            conn.abort()
 
     def idle_count(self, sandbox_id: str | None = None) -> int:
         return sum(len(v) for k, v in self._idle.items() if sandbox_id in (None, k[0]))

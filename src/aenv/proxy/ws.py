@@ -114,14 +114,18 @@ class WebSocketForwarder:
         self.close_timeout = close_timeout
         self.max_size = max_size
         self.max_queue = max_queue
+        # The bridged sandbox legs by sandbox, for `drop`.
+        self._open: dict[str, set[ClientConnection]] = {}
 
     async def forward(self, scope: Scope, receive: Receive, send: Send, target: Target) -> None:
         """Expects the `websocket.connect` message to be still unread."""
         if (await receive())["type"] != "websocket.connect":
             return
-        upstream = await self._open(scope, send, target)
+        upstream = await self._connect(scope, send, target)
         if upstream is None:
             return
+        legs = self._open.setdefault(target.sandbox_id, set())
+        legs.add(upstream)
         try:
             extra = [
                 (name.lower().encode("latin-1"), value.encode("latin-1"))
@@ -143,8 +147,17 @@ class WebSocketForwarder:
             await self._bridge(receive, send, upstream)
         finally:
             upstream.transport.abort()
+            legs.discard(upstream)
+            if not legs and self._open.get(target.sandbox_id) is legs:
+                del self._open[target.sandbox_id]
 
-    async def _open(self, scope: Scope, send: Send, target: Target) -> ClientConnection | None:
+    def drop(self, sandbox_id: str) -> None:
+        """Breaks off the WebSockets bridged to a sandbox whose processes ended: the client
+        gets an abnormal close (1014) at once instead of a silent connection."""
+        for leg in self._open.pop(sandbox_id, set()):
+            leg.transport.abort()
+
+    async def _connect(self, scope: Scope, send: Send, target: Target) -> ClientConnection | None:
         host_header: str | None = None
         for name, value in target.headers:
             if name == b"host":
