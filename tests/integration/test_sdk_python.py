@@ -171,6 +171,36 @@ def test_kill_ends_open_streams_and_is_running(sandboxes: list[object]) -> None:
     assert not s.is_running()
 
 
+def test_signed_file_urls_without_a_domain(sandboxes: list[object]) -> None:
+    """`download_url`/`upload_url` of a secured sandbox, made against the node's address (no
+    sandbox in the URL), reach that sandbox by their signature; an expired one is a 401."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    s = Sandbox.create(template="base", timeout=120, secure=True)
+    sandboxes.append(s)
+    s.files.write("signed.txt", "signed content")
+    with urllib.request.urlopen(s.download_url("signed.txt", "user", 60)) as resp:
+        assert resp.read() == b"signed content"
+    req = urllib.request.Request(
+        s.upload_url("up.txt", "user"),
+        data=b"uploaded",
+        headers={"content-type": "application/octet-stream"},
+        method="POST",
+    )
+    with urllib.request.urlopen(req) as resp:
+        assert resp.status == 200
+    assert s.files.read("up.txt") == "uploaded"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(s.download_url("signed.txt", "user", use_signature_expiration=-60))
+    assert refused.value.code == 401
+    assert json.loads(refused.value.read()) == {
+        "code": 401,
+        "message": "signature is already expired",
+    }
+
+
 def test_ttl_expiry_kills(sandboxes: list[object]) -> None:
     s = Sandbox.create(template="base", timeout=2)
     sandboxes.append(s)

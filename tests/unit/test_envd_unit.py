@@ -127,7 +127,7 @@ def test_signature_matches_sdk() -> None:
     for user in (None, "root"):
         for exp in (None, 60):
             got = sdk_sig.get_signature("/a b/ü.txt", "read", user, "tok", exp)
-            ours = files._sign(
+            ours = files.file_signature(
                 "/a b/ü.txt",
                 "read",
                 user or "",

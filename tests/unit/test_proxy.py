@@ -310,7 +310,16 @@ async def env() -> AsyncIterator[Env]:
                 return Upstream("127.0.0.1", dead_port)
             return Upstream("127.0.0.1", upstream_port)
 
-        router = SandboxRouter(make_control(control), resolver, ["localhost", "sbx.test"])
+        def signed_by(path: str, op: str, user: str, sig: str, exp: str | None) -> str | None:
+            return (
+                "signer"
+                if (path, op, user, sig, exp) == ("/a b", "read", "", "v1_+/", None)
+                else None
+            )
+
+        router = SandboxRouter(
+            make_control(control), resolver, ["localhost", "sbx.test"], signed_by=signed_by
+        )
         async with serve(router, lifespan="on") as proxy_port:
             yield Env(upstream_port, proxy_port, dead_port, upstream, control, router, resolved)
     assert control.lifespan == ["startup", "shutdown"]
@@ -504,6 +513,20 @@ async def test_resolver_errors_become_json(env: Env) -> None:
         r = await c.get("/health", headers={"e2b-sandbox-id": "boom"})
         assert r.status_code == 500
         assert r.json()["code"] == 500
+
+
+async def test_signed_file_urls_go_to_the_sandbox_that_signed(env: Env) -> None:
+    """`download_url()` against the node's address (E2B_SANDBOX_URL) names no sandbox."""
+    async with env.client() as c:
+        r = await c.get("/files", params={"path": "/a b", "signature": "v1_+/"})
+        assert r.status_code == 200 and r.json()["path"] == "/files"
+        assert env.resolved[-1] == ("signer", 49983)
+        r = await c.get("/proxy/files", params={"path": "/a b", "signature": "v1_+/"})
+        assert r.status_code == 200 and r.json()["path"] == "/files"
+        r = await c.get("/files", params={"path": "/a b", "signature": "v1_forged"})
+        assert r.status_code == 401 and r.json()["message"] == "invalid signature"
+        r = await c.get("/files", params={"path": "/a b"})
+        assert r.json() == {"plane": "control", "path": "/files"}  # unsigned: not ours
 
 
 @pytest.mark.parametrize("path", ["/init", "/init/", "/%69nit", "/envs", "/metrics", "/proxy/init"])

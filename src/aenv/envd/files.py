@@ -33,7 +33,9 @@ METADATA_HEADER = "x-metadata-"
 _PATH_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ELOOP, errno.ENOTDIR})
 
 
-def _sign(path: str, op: str, user: str, token: str, exp: str | None) -> str:
+def file_signature(path: str, op: str, user: str, token: str, exp: str | None) -> str:
+    """E2B's v1 signature of a file URL (`op` is read or write); the node routes signed URLs
+    that name no sandbox by it too."""
     import base64
     import hashlib
 
@@ -58,7 +60,9 @@ def check_file_auth(req: Request, state: State, op: str) -> None:
     if not sig:
         raise HTTPError(401, "missing access token or signature")
     exp = req.query.get("signature_expiration")
-    expected = _sign(req.query.get("path", ""), op, req.query.get("username", ""), token, exp)
+    expected = file_signature(
+        req.query.get("path", ""), op, req.query.get("username", ""), token, exp
+    )
     if not hmac.compare_digest(expected.encode(), sig.encode()):
         raise HTTPError(401, "invalid signature")
     if exp is not None:

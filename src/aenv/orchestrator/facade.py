@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import hmac
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 from ..config import Settings
 from ..domain import (
     ENVD_PORT,
+    LIVE_STATES,
     CreateRequest,
     EgressPolicy,
     SandboxRecord,
@@ -32,6 +34,7 @@ from ..domain import (
     Timings,
     Upstream,
 )
+from ..envd.files import file_signature
 from ..errors import BadRequest
 from ..images.cache import holder
 from ..images.pull import PulledImage, pull
@@ -192,6 +195,19 @@ class Orchestrator:
         self, sandbox_id: str, port: int, traffic_token: str | None = None
     ) -> Upstream:
         return await self._pauser.resolve(sandbox_id, port, traffic_token)
+
+    def signed_by(
+        self, path: str, op: str, user: str, signature: str, exp: str | None
+    ) -> str | None:
+        """The sandbox whose envd token made a signed file URL's signature, if any: such a
+        URL made against a node address (`E2B_SANDBOX_URL`) names no sandbox."""
+        want = signature.encode()
+        for r in self._table.all():
+            if r.state in LIVE_STATES and r.envd_access_token:
+                mine = file_signature(path, op, user, r.envd_access_token, exp)
+                if hmac.compare_digest(mine.encode(), want):
+                    return r.sandbox_id
+        return None
 
     def on_sandbox_stopped(self, listener: Callable[[str], None]) -> None:
         """`listener(sandbox_id)` runs whenever a sandbox's processes end."""

@@ -6,7 +6,9 @@ A request (HTTP or WebSocket) is data plane when
    or `E2b-Sandbox-Port`, default 49983, envd). AgentENV's `/proxy` prefix is removed from
    such requests (`/proxy/health` → `/health`), so `E2B_SANDBOX_URL=http://host:port/proxy`
    works too; or
-2. its `Host` is `{port}-{sandboxID}.{domain}` for a configured domain (path unchanged).
+2. its `Host` is `{port}-{sandboxID}.{domain}` for a configured domain (path unchanged); or
+3. it is a signed file URL (`/files?…&signature=…`) with neither: it goes to envd in the
+   sandbox whose envd token made the signature (`signed_by`).
 
 A `/proxy` path without a sandbox header is a 400; anything else (and lifespan) goes to the
 control app. The routing headers and the traffic token are removed before forwarding;
@@ -32,10 +34,17 @@ import logging
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote
 
 from aenv.domain import ENVD_PORT, Upstream
-from aenv.errors import AenvError, BadRequest, Forbidden, GatewayTimeout, InternalError
+from aenv.errors import (
+    AenvError,
+    BadRequest,
+    Forbidden,
+    GatewayTimeout,
+    InternalError,
+    Unauthorized,
+)
 
 from ._common import (
     ROUTING_HEADERS,
@@ -59,6 +68,8 @@ DEFAULT_PORT = ENVD_PORT
 INTERNAL_ENVD_PATHS = frozenset({"/init", "/envs", "/metrics"})
 # (sandbox id, port, the client's traffic token or None) -> where to send the request.
 Resolver = Callable[[str, int, str | None], Awaitable[Upstream]]
+# (path, "read"|"write", username, signature, expiration or None) -> the sandbox that signed.
+SignatureResolver = Callable[[str, str, str, str, str | None], str | None]
 TRAFFIC_TOKEN_HEADER = b"e2b-traffic-access-token"
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
@@ -131,9 +142,11 @@ class SandboxRouter:
         connect_timeout: float = 5.0,
         http: HttpForwarder | None = None,
         ws: WebSocketForwarder | None = None,
+        signed_by: SignatureResolver | None = None,
     ) -> None:
         self.control_app = control_app
         self.resolver = resolver
+        self.signed_by = signed_by
         self.domains = [d.strip().strip(".").lower() for d in domains if d.strip().strip(".")]
         self.default_port = default_port
         self.http = http or HttpForwarder(connect_timeout=connect_timeout)
@@ -170,6 +183,10 @@ class SandboxRouter:
             found = self._host_route(host.decode("latin-1"))
             if found is not None:
                 return found
+        if self.signed_by is not None and scope["path"] in ("/files", "/proxy/files"):
+            found = self._signed_route(scope)
+            if found is not None:
+                return found
         if _has_proxy_prefix(scope["path"]):
             raise BadRequest(
                 "missing sandbox routing header (e2b-sandbox-id or x-agentenv-sandbox-id)"
@@ -196,6 +213,27 @@ class SandboxRouter:
                 raise BadRequest(f"sandbox host label longer than {_MAX_LABEL} characters")
             return Route(_sandbox_id(sandbox), _port(port_text))
         return None
+
+    def _signed_route(self, scope: Scope) -> Route | None:
+        """A signed file URL made against the node's own address (E2B_SANDBOX_URL) names no
+        sandbox: the sandbox whose token signed it is the one. A signature no sandbox made is
+        refused as envd refuses a bad one (401)."""
+        assert self.signed_by is not None
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        signature = query.get("signature", [""])[0]
+        if not signature or scope["method"] not in ("GET", "POST"):
+            return None
+        expiration = query.get("signature_expiration", [None])[0]
+        sandbox_id = self.signed_by(
+            query.get("path", [""])[0],
+            "read" if scope["method"] == "GET" else "write",
+            query.get("username", [""])[0],
+            signature,
+            expiration,
+        )
+        if sandbox_id is None:
+            raise Unauthorized("invalid signature")
+        return Route(sandbox_id, ENVD_PORT, scope["path"] == "/proxy/files")
 
     # -- ASGI --------------------------------------------------------------------------
 
