@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import struct
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +117,27 @@ async def send_json(send: Send, status: int, payload: dict[str, object]) -> None
         }
     )
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def reset_client(send: Send) -> bool:
+    """Ends the client's connection with a TCP reset instead of a clean close. A response
+    broken off by a clean close reads as a malformed body to some clients (the Python SDK's
+    HTTP stack), a reset as the connection lost, which is what they probe the sandbox's
+    health on (and then report it killed). ASGI has no message for this: uvicorn's `send` is
+    a bound method of its per-request cycle, which holds the transport. False elsewhere (the
+    caller's clean close stands)."""
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    # Duck-typed: uvloop's transports are not asyncio.BaseTransport subclasses.
+    abort = getattr(transport, "abort", None)
+    get_extra_info = getattr(transport, "get_extra_info", None)
+    if abort is None or get_extra_info is None:
+        return False
+    sock = get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError, AttributeError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    abort()
+    return True
 
 
 async def deny_websocket(

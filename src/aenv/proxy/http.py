@@ -29,7 +29,17 @@ import logging
 
 from aenv.errors import SandboxNotFound
 
-from ._common import Headers, Message, Receive, Scope, Send, Target, end_to_end, send_json
+from ._common import (
+    Headers,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    Target,
+    end_to_end,
+    reset_client,
+    send_json,
+)
 from .pool import Connection, ConnectionPool
 
 log = logging.getLogger(__name__)
@@ -419,7 +429,9 @@ class _Exchange:
         ) as exc:
             if not self.client_gone:
                 # Returning without finishing makes the ASGI server cut the client connection,
-                # which is how a truncated body is signalled.
+                # which is how a truncated body is signalled; a sandbox that is gone resets it.
+                if conn.dropped:
+                    reset_client(self.send)
                 log.log(
                     logging.INFO if conn.dropped else logging.WARNING,
                     "proxy: sandbox %s port %s: upstream response broken off: %s",
