@@ -170,6 +170,9 @@ class FakeOrchestrator:
     def on_sandbox_stopped(self, listener: Callable[[str], None]) -> None:
         pass
 
+    def signed_by(self, path: str, op: str, user: str, sig: str, exp: str | None) -> str | None:
+        return None
+
 
 @pytest.fixture
 def settings(tmp_path: Any) -> Settings:
