@@ -123,9 +123,7 @@ class Snapshotter:
                     await self.runtime.freeze(inst)
             try:
                 with t.stage("copy"):
-                    top = await asyncio.to_thread(
-                        storage.copy_upper, Path(r.upper), r.sandbox_id
-                    )
+                    top = await asyncio.to_thread(storage.copy_upper, Path(r.upper), r.sandbox_id)
             finally:
                 if inst is not None:
                     with t.stage("thaw"):

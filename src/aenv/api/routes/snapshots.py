@@ -155,7 +155,9 @@ def _snapshot_key(t: TemplateRecord) -> tuple[datetime, str]:
     return (_when(t.created_at), t.template_id)
 
 
-@router.post("/sandboxes/{sandbox_id}/fork", status_code=201, summary="Fork a running or paused sandbox")
+@router.post(
+    "/sandboxes/{sandbox_id}/fork", status_code=201, summary="Fork a running or paused sandbox"
+)
 async def fork_sandbox(
     sandbox_id: str,
     response: Response,
