@@ -49,9 +49,14 @@ class FakeEnvd:
     runs: list[tuple[str, str, list[str]]] = field(default_factory=list)
     # Makes `init` fail for the next N calls (a broken sandbox).
     fail_inits: int = 0
+    # Addresses whose envd does not answer its health check (a hung guest).
+    unhealthy: set[str] = field(default_factory=set)
 
     async def wait_ready(self, host: str, port: int, timeout: float = 20.0) -> None:
         return None
+
+    async def healthy(self, host: str, port: int, timeout: float = 2.0) -> bool:
+        return host not in self.unhealthy
 
     async def init(self, host: str, port: int, **kw: Any) -> None:
         if self.fail_inits > 0:

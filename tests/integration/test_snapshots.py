@@ -174,6 +174,10 @@ def test_snapshot_by_id_and_name(e2b_env: Server, sandboxes: list[object]) -> No
     s.files.write("/home/user/after.txt", "not in the snapshot")
     listed = [x.snapshot_id for x in Sandbox.list_snapshots(sandbox_id=s.sandbox_id).next_items()]
     assert snap.snapshot_id in listed
+    with e2b_env.client() as http:
+        for key in (snap.snapshot_id, name):
+            info = http.get(f"/snapshots/{key}").json()
+            assert info["snapshotID"] == snap.snapshot_id and info["mode"] == "full"
     for template in (snap.snapshot_id, name):
         c = Sandbox.create(template=template, timeout=60)
         sandboxes.append(c)

@@ -152,10 +152,17 @@ class FakeOrchestrator:
         return r, False
 
     async def pause(
-        self, sandbox_id: str, memory: bool = True, timings: Timings | None = None
+        self,
+        sandbox_id: str,
+        memory: bool = True,
+        timings: Timings | None = None,
+        *,
+        require_healthy_guest: bool = False,
     ) -> None:
         r = self.get(sandbox_id)
         self.calls.append(("pause", (sandbox_id, memory)))
+        if require_healthy_guest:
+            self.calls.append(("pause-strict", sandbox_id))
         if r.state is State.PAUSED:
             raise Conflict(f"sandbox {sandbox_id!r} is already paused")
         r.state = State.PAUSED
@@ -818,6 +825,7 @@ async def test_pause_connect_resume(client: httpx.AsyncClient, orch: FakeOrchest
     )
     assert r.status_code == 204
     assert ("pause", (sid, False)) in orch.calls
+    assert ("pause-strict", sid) in orch.calls
     r = await client.post(f"/sandboxes/{sid}/resume", json={"timeout": 30, "autoPause": True})
     assert r.status_code == 201 and r.json()["sandboxID"] == sid
     assert ("connect", (sid, 30, None)) in orch.calls

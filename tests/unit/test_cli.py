@@ -58,6 +58,7 @@ class FakeAenv:
         self.inputs: dict[int, queue.Queue[bytes | None]] = {}
         self.updates: list[dict[str, Any]] = []
         self.signals: list[dict[str, Any]] = []
+        self.snapshots: list[dict[str, Any]] = []
         self.page_size = 2
         self.next_pid = 100
         self.gate = threading.Event()
@@ -182,6 +183,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(raw)
             return None
+        if method == "GET" and parts == ["snapshots"]:
+            return self._send(200, fake.snapshots)
         if len(parts) >= 2 and parts[0] in ("sandboxes", "v2"):
             sid = parts[1] if parts[0] == "sandboxes" else parts[2]
             found = fake.sandboxes.get(sid)
@@ -204,6 +207,14 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(201 if resumed else 200, sb)
             if method == "POST" and parts == ["sandboxes", sid, "timeout"]:
                 return self._send(204)
+            if method == "POST" and parts == ["sandboxes", sid, "snapshots"]:
+                snap = {
+                    "snapshotID": f"snap{len(fake.snapshots) + 1}",
+                    "names": [data["name"]] if "name" in data else [],
+                    "mode": "filesystem" if data.get("memory") is False else "full",
+                }
+                fake.snapshots.append(snap)
+                return self._send(201, snap)
         return self._error(404, f"no route {method} {path}")
 
     # -- envd ---------------------------------------------------------------------------
@@ -578,6 +589,19 @@ def test_pause_resume_timeout_info(cli: CliRunner, fake: FakeAenv) -> None:
     assert "tok-sbx-a" not in res.stdout
     res = cli.invoke(app, ["info", "sbx-a", "-o", "json"])
     assert json.loads(res.stdout)["sandboxID"] == "sbx-a"
+
+
+def test_snapshot_create_modes_and_ls(cli: CliRunner, fake: FakeAenv) -> None:
+    fake.add("sbx-s")
+    res = cli.invoke(app, ["snapshot", "create", "sbx-s", "--name", "full-one"])
+    assert res.exit_code == 0 and res.stdout.strip() == "snap1"
+    assert json.loads(fake.requests[-1][3]) == {"name": "full-one"}
+    res = cli.invoke(app, ["snapshot", "create", "sbx-s", "--filesystem"])
+    assert res.exit_code == 0 and res.stdout.strip() == "snap2"
+    assert json.loads(fake.requests[-1][3]) == {"memory": False}
+    res = cli.invoke(app, ["snapshot", "ls"])
+    rows = {line.split()[0]: line.split()[1] for line in res.stdout.splitlines()[1:] if line}
+    assert rows == {"snap1": "full", "snap2": "filesystem"}, res.stdout
 
 
 def test_template_ls_404_is_a_message(cli: CliRunner) -> None:

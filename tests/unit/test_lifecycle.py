@@ -247,13 +247,6 @@ async def test_fork_past_the_memory_budget(tmp_path: Path) -> None:
             await h.orch.create(CreateRequest())
 
 
-async def test_fork_of_a_paused_sandbox_conflicts(node: Harness) -> None:
-    r = await node.orch.create(CreateRequest())
-    await node.orch.pause(r.sandbox_id)
-    with pytest.raises(Conflict):
-        await node.orch.fork(r.sandbox_id, 1)
-
-
 # ---------------------------------------------------------------------------- restarts
 async def test_restart_recovers_each_state(tmp_path: Path) -> None:
     h = build(tmp_path)

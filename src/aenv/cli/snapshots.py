@@ -16,9 +16,17 @@ def snapshot_create(
     ctx: typer.Context,
     sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="Sandbox ID.")],
     name: Annotated[str | None, typer.Option("--name", "-n", help="A name to create from.")] = None,
+    filesystem: Annotated[
+        bool,
+        typer.Option(
+            "--filesystem", "-f", help="Files only: sandboxes made from it boot fresh on them."
+        ),
+    ] = False,
 ) -> None:
     """Snapshot a sandbox (files, memory, processes); it keeps running. Prints the id."""
     body: dict[str, Any] = {} if name is None else {"name": name}
+    if filesystem:
+        body["memory"] = False
     with state_of(ctx).control() as cp:
         resp = cp.request(
             "POST", f"/sandboxes/{url_segment(sandbox_id)}/snapshots", json=body, ok=(201,)
@@ -53,9 +61,11 @@ def snapshot_ls(
 
 
 def _snapshot_table(items: list[dict[str, Any]]) -> Table:
-    table = Table("SNAPSHOT", "NAMES")
+    table = Table("SNAPSHOT", "MODE", "NAMES", box=None, header_style="bold", pad_edge=False)
     for s in items:
-        table.add_row(str(s["snapshotID"]), ", ".join(s.get("names") or []))
+        table.add_row(
+            str(s["snapshotID"]), str(s.get("mode") or "full"), ", ".join(s.get("names") or [])
+        )
     return table
 
 
@@ -67,8 +77,9 @@ def fork(
         int | None, typer.Option("--timeout", "-t", min=1, help="Children's lifetime (s).")
     ] = None,
 ) -> None:
-    """Fork a running sandbox into N children that continue from its memory; prints their
-    ids (a failed child is reported on stderr and makes the exit code 1)."""
+    """Fork a running or paused sandbox into N children that continue from its memory (a
+    files-only paused one: boot fresh on its files); prints their ids (a failed child is
+    reported on stderr and makes the exit code 1)."""
     body: dict[str, Any] = {"count": count}
     if timeout is not None:
         body["timeout"] = timeout

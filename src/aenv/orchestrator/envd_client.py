@@ -58,6 +58,14 @@ class EnvdClient:
             f"envd at {host}:{port} did not become ready in {timeout:.0f}s ({last})"
         )
 
+    async def healthy(self, host: str, port: int, timeout: float = 2.0) -> bool:
+        """Whether envd answers its health check now (one try, within `timeout`)."""
+        try:
+            resp = await self._http.get(f"http://{host}:{port}/health", timeout=timeout)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code < 300
+
     async def init(
         self,
         host: str,

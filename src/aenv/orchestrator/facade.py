@@ -175,9 +175,16 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ pause tiers
     async def pause(
-        self, sandbox_id: str, memory: bool = True, timings: Timings | None = None
+        self,
+        sandbox_id: str,
+        memory: bool = True,
+        timings: Timings | None = None,
+        *,
+        require_healthy_guest: bool = False,
     ) -> None:
-        await self._pauser.pause(sandbox_id, memory, timings)
+        await self._pauser.pause(
+            sandbox_id, memory, timings, require_healthy_guest=require_healthy_guest
+        )
 
     async def hibernate(self, sandbox_id: str, timings: Timings | None = None) -> None:
         await self._pauser.hibernate(sandbox_id, timings)
@@ -224,6 +231,7 @@ class Orchestrator:
         parent: str | None = None,
         extra: dict[str, Any] | None = None,
         internal: bool = False,
+        memory: bool = True,
     ) -> TemplateRecord:
         return await self._snapshotter.snapshot(
             sandbox_id,
@@ -233,12 +241,17 @@ class Orchestrator:
             parent=parent,
             extra=extra,
             internal=internal,
+            memory=memory,
         )
 
     async def snapshots(
         self, sandbox_id: str | None = None, name: str | None = None
     ) -> builtins.list[TemplateRecord]:
         return await self._templates.snapshots(sandbox_id, name)
+
+    async def get_snapshot(self, id_or_name: str) -> TemplateRecord:
+        """A user's snapshot by id or name (404 for anything else: templates, internal ones)."""
+        return await self._templates.get_snapshot(id_or_name)
 
     async def fork(
         self,

@@ -1,6 +1,11 @@
-"""Fork: one running sandbox into N children with its memory, processes and files. A
-snapshot that the children restore from, each on its own empty upper (no file data is
-copied), while the parent is restored in place; the snapshot is deleted afterwards."""
+"""Fork: one sandbox into N children with its memory, processes and files. A snapshot that
+the children restore from, each on its own empty upper (no file data is copied), while the
+parent is restored in place; the snapshot is deleted afterwards.
+
+A paused parent (E2B answers 409 there) can be forked too and stays paused: a frozen one is
+checkpointed and frozen again, a hibernated one lends its memory image as it is, and the
+children of a files-only one boot fresh on a copy of its files (it has no memory to give).
+The children run."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import logging
 from dataclasses import dataclass, replace
 
 from .. import crashpoint
-from ..domain import CreateRequest, SandboxRecord, SandboxState, Timings
+from ..domain import CreateRequest, PauseTier, SandboxRecord, SandboxState, Timings
 from ..errors import AenvError, BadRequest, Conflict
 from .context import NodeContext, check_timeout
 from .sandboxes import Sandboxes
@@ -53,22 +58,34 @@ class Forker:
         self.table.get(sandbox_id)
         async with self.table.lock(sandbox_id):
             parent = self.table.get(sandbox_id)
-            if parent.state is not SandboxState.RUNNING:
+            paused = parent.state is SandboxState.PAUSED
+            if not paused and parent.state is not SandboxState.RUNNING:
                 raise Conflict(
-                    f"sandbox {sandbox_id!r} must be running to fork (it is {parent.state})"
+                    f"sandbox {sandbox_id!r} must be running or paused to fork "
+                    f"(it is {parent.state})"
                 )
-            snap, parent_back = await self.snapshotter.take(
-                parent,
-                t,
-                names=[],
-                internal=True,
-                restore_later=True,
-                op="fork",
-                extra={FORK_OF: sandbox_id},
-            )
+            extra = {FORK_OF: sandbox_id}
+            parent_back = None
+            if parent.tier is PauseTier.FILES:
+                snap = await self.snapshotter.take_files(
+                    parent, t, names=[], internal=True, extra=extra
+                )
+            else:
+                snap, parent_back = await self.snapshotter.take(
+                    parent,
+                    t,
+                    names=[],
+                    internal=True,
+                    restore_later=True,
+                    op="fork",
+                    extra=extra,
+                )
             crashpoint.hit("fork.snapshotted")
             ttl = timeout
-            if ttl is None:
+            if ttl is None and paused:
+                # A paused sandbox's deadline means nothing until it is resumed.
+                ttl = self.ctx.settings.default_timeout
+            elif ttl is None:
                 ttl = max(1, int((parent.end_at - self.ctx.now()).total_seconds()))
             req = CreateRequest(
                 template_id=snap.template_id,

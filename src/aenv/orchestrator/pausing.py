@@ -33,7 +33,7 @@ from ..domain import (
     Timings,
     Upstream,
 )
-from ..errors import Conflict, Forbidden, SandboxNotFound
+from ..errors import Conflict, Forbidden, SandboxNotFound, Unavailable
 from ..runtime.base import Runtime
 from .boot import Booter
 from .context import NodeContext, check_timeout
@@ -44,6 +44,8 @@ log = logging.getLogger("aenv.orchestrator")
 
 # Seconds a hibernated sandbox stays on the node's disk only before it is published.
 PUBLISH_HIBERNATION_AFTER = 5.0
+# Seconds a strict pause (E2B `requireHealthyGuest`) waits for envd's health check.
+GUEST_CHECK_TIMEOUT = 2.0
 
 
 @dataclass
@@ -56,8 +58,16 @@ class Pauser:
 
     # ------------------------------------------------------------------ pause
     async def pause(
-        self, sandbox_id: str, memory: bool = True, timings: Timings | None = None
+        self,
+        sandbox_id: str,
+        memory: bool = True,
+        timings: Timings | None = None,
+        *,
+        require_healthy_guest: bool = False,
     ) -> None:
+        """Pauses a running sandbox (`memory=False`: files only). `require_healthy_guest`
+        (the SDK's `pause(strict=True)`): refused with 503, the sandbox left running, when
+        its envd does not answer; otherwise envd is not asked (no tier here needs it)."""
         t = timings or Timings()
         self.table.get(sandbox_id)
         async with self.table.lock(sandbox_id):
@@ -66,6 +76,16 @@ class Pauser:
                 raise Conflict(f"sandbox {sandbox_id!r} is already paused")
             if r.state is not SandboxState.RUNNING or r.instance is None:
                 raise Conflict(f"sandbox {sandbox_id!r} cannot be paused while {r.state}")
+            if require_healthy_guest:
+                with t.stage("guest-check"):
+                    ok = await self.booter.envd.healthy(
+                        r.instance.address, ENVD_PORT, GUEST_CHECK_TIMEOUT
+                    )
+                if not ok:
+                    raise Unavailable(
+                        f"sandbox {sandbox_id!r} was not paused: its guest agent (envd) does "
+                        "not answer; the sandbox keeps running"
+                    )
             if not memory:
                 # A crash once the container is gone finds the files: paused, files only.
                 r.pending = PendingOp("pause")

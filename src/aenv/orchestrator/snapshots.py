@@ -2,10 +2,15 @@
 
 A snapshot checkpoints the sandbox, seals its upper into a read-only layer and restores it
 on a fresh upper over the new stack, in its own network slot (same id, address and
-processes). The snapshot is then a template: that layer stack + the checkpoint image."""
+processes). The snapshot is then a template: that layer stack + the checkpoint image.
+
+A filesystem snapshot (E2B `memory: false`) is only the files: a copy of the upper over the
+sandbox's layers, no image; the sandbox is frozen for the copy, not checkpointed, and a
+sandbox created from it boots fresh on those files."""
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import re
 from collections.abc import Coroutine
@@ -54,10 +59,12 @@ class Snapshotter:
         parent: str | None = None,
         extra: dict[str, Any] | None = None,
         internal: bool = False,
+        memory: bool = True,
     ) -> TemplateRecord:
-        """Makes a template of the sandbox's files, memory and processes; it keeps running.
-        `template_id` (a template build) names the result instead of a new snapshot id;
-        `internal`: neither listed nor published (a build registers it again as its template)."""
+        """Makes a template of the sandbox's files, memory and processes (`memory=False`: of
+        its files only); it keeps running. `template_id` (a template build) names the result
+        instead of a new snapshot id; `internal`: neither listed nor published (a build
+        registers it again as its template)."""
         t = timings or Timings()
         self.table.get(sandbox_id)
         if name is not None:
@@ -66,6 +73,16 @@ class Snapshotter:
                 raise Conflict(f"a template or snapshot named {name!r} already exists")
         async with self.table.lock(sandbox_id):
             r = self.table.get(sandbox_id)
+            if not memory:
+                return await self.take_files(
+                    r,
+                    t,
+                    names=[name] if name else [],
+                    snap_id=template_id,
+                    parent=parent,
+                    extra=extra,
+                    internal=internal,
+                )
             snap, _ = await self.take(
                 r,
                 t,
@@ -75,6 +92,59 @@ class Snapshotter:
                 extra=extra,
                 internal=internal,
             )
+        return snap
+
+    async def take_files(
+        self,
+        r: SandboxRecord,
+        t: Timings,
+        *,
+        names: builtins.list[str],
+        internal: bool = False,
+        snap_id: str | None = None,
+        parent: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> TemplateRecord:
+        """A filesystem snapshot (the sandbox's lock held): its layers plus a copy of its
+        upper. A running sandbox is frozen only while the upper is copied, so the files are
+        those of one instant; a paused one (any tier) is left as it is. The sandbox's own
+        record does not change: it goes on writing into the same upper."""
+        running = r.state is SandboxState.RUNNING
+        if not running and r.state is not SandboxState.PAUSED:
+            raise Conflict(f"sandbox {r.sandbox_id!r} cannot be snapshotted while {r.state}")
+        storage = self.booter.storage
+        layers = list(r.layers)
+        if r.upper is not None:
+            inst = r.instance if running else None
+            if r.instance is None:  # files only or hibernated: no container holds its disk
+                await asyncio.to_thread(storage.attach_disk, r.sandbox_id, r.disk_mb)
+            if inst is not None:
+                with t.stage("freeze"):
+                    await self.runtime.freeze(inst)
+            try:
+                with t.stage("copy"):
+                    top = await asyncio.to_thread(storage.copy_upper, Path(r.upper), r.sandbox_id)
+            finally:
+                if inst is not None:
+                    with t.stage("thaw"):
+                        await self.runtime.thaw(inst)
+            if top is not None:
+                layers.insert(0, top)
+        snap = self._record(
+            r,
+            snap_id or new_id("s"),
+            layers,
+            checkpoint=None,
+            names=names,
+            internal=internal,
+            parent=parent,
+            extra=extra,
+        )
+        # Booted fresh, a sandbox made from it gets its environment from /init: the source's
+        # own variables travel with the template's (a memory snapshot keeps them in envd).
+        snap.env = {**r.boot.env, **r.env_vars}
+        snap.envd_token = ""
+        await self.templates.register(snap)
         return snap
 
     async def take(
@@ -144,24 +214,15 @@ class Snapshotter:
                 await self.templates.link_image(src, snap_id)
         else:
             raise Conflict(f"sandbox {r.sandbox_id!r} cannot be snapshotted while {r.state}")
-        snap = TemplateRecord(
-            template_id=snap_id,
-            kind=TemplateKind.SNAPSHOT,
-            layers=list(r.layers),
+        snap = self._record(
+            r,
+            snap_id,
+            list(r.layers),
+            checkpoint=snap_id,
             names=names,
             internal=internal,
-            checkpoint=snap_id,
-            env=dict(r.boot.env),
-            user=r.boot.user,
-            workdir=r.boot.workdir,
-            cpu_count=r.cpu_count,
-            memory_mb=r.memory_mb,
-            created_at=self.ctx.now().isoformat(),
-            parent=parent or r.template_id,
-            sandbox_id=r.sandbox_id,
-            envd_token=r.envd_access_token,
-            env_vars=dict(r.env_vars),
-            extra=dict(extra or {}),
+            parent=parent,
+            extra=extra,
         )
         if boot_of is not None:
             snap.boot_of = boot_of.template_id
@@ -179,6 +240,38 @@ class Snapshotter:
                 await back  # the sandbox comes back all the same
             raise
         return snap, back
+
+    def _record(
+        self,
+        r: SandboxRecord,
+        snap_id: str,
+        layers: builtins.list[str],
+        *,
+        checkpoint: str | None,
+        names: builtins.list[str],
+        internal: bool,
+        parent: str | None,
+        extra: dict[str, Any] | None,
+    ) -> TemplateRecord:
+        return TemplateRecord(
+            template_id=snap_id,
+            kind=TemplateKind.SNAPSHOT,
+            layers=layers,
+            names=names,
+            internal=internal,
+            checkpoint=checkpoint,
+            env=dict(r.boot.env),
+            user=r.boot.user,
+            workdir=r.boot.workdir,
+            cpu_count=r.cpu_count,
+            memory_mb=r.memory_mb,
+            created_at=self.ctx.now().isoformat(),
+            parent=parent or r.template_id,
+            sandbox_id=r.sandbox_id,
+            envd_token=r.envd_access_token,
+            env_vars=dict(r.env_vars),
+            extra=dict(extra or {}),
+        )
 
     async def _restore(
         self,

@@ -86,6 +86,18 @@ class SandboxStorage:
             gen.rmdir()
         return digest
 
+    def copy_upper(self, upper: Path, label: str) -> str | None:
+        """A read-only layer holding a copy of what the upper holds now (the sandbox goes on
+        writing into the upper itself); None when the upper holds nothing."""
+        if not upper.is_dir():
+            return None
+        with os.scandir(upper) as it:
+            if next(it, None) is None:
+                return None
+        digest = self.seal_digest(label)
+        self.layers.add_dir(upper, digest, mode="copy", source=f"files of {label}")
+        return digest
+
     def remove_sandbox(self, sandbox_id: str) -> None:
         if self.disks is not None:
             self.disks.detach(sandbox_id)

@@ -70,6 +70,12 @@ class TemplateRegistry:
         out.sort(key=lambda t: (str(t.created_at), t.template_id))
         return out
 
+    async def get_snapshot(self, id_or_name: str) -> TemplateRecord:
+        found = await self.find(id_or_name)
+        if found is None or found.kind is not TemplateKind.SNAPSHOT or found.internal:
+            raise NotFound(f"snapshot {id_or_name!r} not found")
+        return found
+
     # ------------------------------------------------------------------ changes
     async def register(self, rec: TemplateRecord, *, publish: bool = True) -> None:
         """Adds or replaces a template: its layer references (an earlier version's are

@@ -327,10 +327,12 @@ async def pause_sandbox(
     orchestrator: OrchestratorDep,
     body: PauseBody | None = None,
 ) -> Response:
-    # TODO: `requireHealthyGuest` once the orchestrator can check envd before pausing.
     memory = body.memory if body is not None and body.memory is not None else True
+    strict = body is not None and body.require_healthy_guest is True
     timings = Timings()
-    await orchestrator.pause(sandbox_id, memory=memory, timings=timings)
+    await orchestrator.pause(
+        sandbox_id, memory=memory, timings=timings, require_healthy_guest=strict
+    )
     response = Response(status_code=204)
     add_timing(response, timings)
     return response

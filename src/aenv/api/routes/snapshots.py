@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter, Depends, Query, Response
 from pydantic import Field
@@ -12,7 +12,7 @@ from pydantic import Field
 from aenv import ENVD_VERSION
 from aenv.builds.store import BuildRecord
 from aenv.domain import TemplateRecord, Timings
-from aenv.errors import BadRequest, NotFound
+from aenv.errors import NotFound
 
 from ..auth import require_api_key
 from ..deps import OrchestratorDep
@@ -34,8 +34,25 @@ class SnapshotRequest(_Request):
 
 
 class SnapshotInfo(_Response):
+    """E2B's `SnapshotInfo` (`snapshotID`, `names`), and what tells snapshots apart: `mode`
+    `full` (memory and processes: sandboxes made from it continue where it was) or
+    `filesystem` (files only: they boot fresh), the source sandbox and when it was taken."""
+
     snapshot_id: str = Field(alias="snapshotID")
     names: list[str]
+    mode: Literal["full", "filesystem"] | None = None
+    sandbox_id: str | None = Field(default=None, alias="sandboxID")
+    created_at: datetime | None = Field(default=None, alias="createdAt")
+
+    @classmethod
+    def of(cls, t: TemplateRecord) -> SnapshotInfo:
+        return cls(
+            snapshotID=t.template_id,
+            names=t.names,
+            mode="full" if t.has_memory else "filesystem",
+            sandboxID=t.sandbox_id,
+            createdAt=_when(t.created_at) if t.created_at else None,
+        )
 
 
 class ForkRequest(_Request):
@@ -100,12 +117,12 @@ async def create_snapshot(
     body: SnapshotRequest | None = None,
 ) -> SnapshotInfo:
     body = body or SnapshotRequest()
-    if body.memory is False:
-        raise BadRequest("snapshots always include memory here; omit `memory` or set it true")
     timings = Timings()
-    snap = await orchestrator.snapshot(sandbox_id, body.name, timings=timings)
+    snap = await orchestrator.snapshot(
+        sandbox_id, body.name, timings=timings, memory=body.memory is not False
+    )
     add_timing(response, timings)
-    return SnapshotInfo(snapshotID=snap.template_id, names=snap.names)
+    return SnapshotInfo.of(snap)
 
 
 @router.get("/snapshots", summary="List snapshots")
@@ -122,14 +139,25 @@ async def list_snapshots(
     page, token = paginate(items, order="asc", limit=limit, cursor=cursor, key=_snapshot_key)
     if token is not None:
         response.headers[NEXT_TOKEN_HEADER] = token
-    return [SnapshotInfo(snapshotID=t.template_id, names=t.names) for t in page]
+    return [SnapshotInfo.of(t) for t in page]
+
+
+@router.get(
+    "/snapshots/{snapshot_id:path}",
+    summary="Get a snapshot",
+    responses={404: {"model": ErrorBody}},
+)
+async def get_snapshot(snapshot_id: str, orchestrator: OrchestratorDep) -> SnapshotInfo:
+    return SnapshotInfo.of(await orchestrator.get_snapshot(snapshot_id))
 
 
 def _snapshot_key(t: TemplateRecord) -> tuple[datetime, str]:
     return (_when(t.created_at), t.template_id)
 
 
-@router.post("/sandboxes/{sandbox_id}/fork", status_code=201, summary="Fork a running sandbox")
+@router.post(
+    "/sandboxes/{sandbox_id}/fork", status_code=201, summary="Fork a running or paused sandbox"
+)
 async def fork_sandbox(
     sandbox_id: str,
     response: Response,
