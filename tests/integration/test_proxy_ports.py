@@ -84,6 +84,9 @@ def test_port_bound_to_loopback_is_reachable(e2b_env: Server, sandboxes: list[ob
         return r.status_code == 200 and "only-on-loopback.txt" in r.text
 
     wait_until(lambda: listed(s), 15, 0.2, "the loopback server through the proxy")
+    s.pause()
+    s = Sandbox.connect(s.sandbox_id)
+    assert listed(s)
     # A fork checkpoints the parent and restores it in place; the child is restored from the
     # same image: both keep their server and its forwarding.
     (child,) = s.fork(count=1)
