@@ -27,7 +27,10 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def make_certs(directory: Path, name: str = "aenv-test") -> TlsFiles:
+def make_certs(
+    directory: Path, name: str = "aenv-test", dns_names: tuple[str, ...] = ("localhost",)
+) -> TlsFiles:
+    """`dns_names` may hold wildcards (`*.aenv.localhost`); 127.0.0.1 is always covered."""
     now = datetime.now(UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (
@@ -52,7 +55,8 @@ def make_certs(directory: Path, name: str = "aenv-test") -> TlsFiles:
         .not_valid_after(now + timedelta(days=1))
         .add_extension(
             x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                + [x509.DNSName(n) for n in dns_names]
             ),
             critical=False,
         )

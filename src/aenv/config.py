@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import tomllib
 from functools import cache, cached_property
@@ -35,6 +36,7 @@ from pydantic_settings import (
 )
 
 GIB = 1 << 30
+_DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
 Compression = Literal["auto", "none", "zstd"]
 
@@ -155,6 +157,12 @@ class Settings(BaseSettings):
     # For the CLI: `true` (system CAs, plus this node's AENV_TLS_CERT when readable, so a
     # self-signed node needs no set-up on its own host), `false`, or a CA bundle's path.
     tls_verify: str = "true"
+    # The node's public domain, as E2B_DOMAIN names it to the SDKs: the API answers at
+    # `api.{domain}`, sandboxes at `{port}-{sandboxID}.{domain}` (a wildcard DNS name and
+    # certificate pointing at this listener), and creates return it as `domain`. A `:port`
+    # suffix is the port clients reach the listener on when it is not 443 (kept in the
+    # URLs the SDKs build, ignored when routing).
+    domain: str | None = None
     # Extra domains for Host-based routing: `{port}-{sandboxID}.{domain}`.
     domains: list[str] = Field(default_factory=lambda: ["localhost"])
     config_file: Path | None = None
@@ -241,6 +249,32 @@ class Settings(BaseSettings):
     @property
     def scheme(self) -> str:
         return "https" if self.tls_cert else "http"
+
+    @property
+    def routing_domains(self) -> list[str]:
+        """The domains whose `{port}-{id}.` names route to sandboxes, `domain` first."""
+        own = [self.domain.rsplit(":", 1)[0]] if self.domain else []
+        return own + [d for d in self.domains if d not in own]
+
+    @field_validator("domain", mode="before")
+    @classmethod
+    def _domain(cls, value: Any) -> Any:
+        if value is None or not isinstance(value, str):
+            return value
+        text = value.strip().strip(".").lower()
+        if not text:
+            return None  # `AENV_DOMAIN=` (empty) means unset
+        name, sep, port = text.partition(":")
+        name = name.rstrip(".")
+        labels = name.split(".")
+        if (
+            "://" in text
+            or len(name) > 253
+            or not all(_DNS_LABEL.fullmatch(label) for label in labels)
+            or (sep and not (port.isascii() and port.isdigit() and 0 < int(port) < 65536))
+        ):
+            raise ValueError(f"domain must be a DNS name with an optional :port, got {value!r}")
+        return f"{name}:{int(port)}" if sep else name
 
     @field_validator("tls_cert", "tls_key", mode="before")
     @classmethod

@@ -90,7 +90,8 @@ def running_server(prefix: str, cidr: str, **extra: str) -> Iterator[Server]:
     if os.geteuid() != 0 or not shutil.which("runsc"):
         pytest.skip("integration tests need root and runsc (run `make test`)")
     home = Path(tempfile.mkdtemp(prefix=f"aenv-{prefix}-"))
-    port = free_port()
+    # A test may choose the port itself (a setting that names it, e.g. AENV_DOMAIN).
+    port = int(extra["AENV_LISTEN"].rsplit(":", 1)[1]) if "AENV_LISTEN" in extra else free_port()
     env = dict(os.environ)
     env.update(
         AENV_HOME=str(home),

@@ -9,6 +9,8 @@ import pytest
 import websockets
 from e2b import Sandbox
 
+from tests.helpers import wait_until
+
 from .conftest import Server
 from .helpers import WS_ECHO_SERVER, wait_port
 
@@ -59,3 +61,45 @@ def test_websocket(e2b_env: Server, app_sbx: Sandbox) -> None:
             assert await ws.recv() == b"\x00\x01binary"
 
     asyncio.run(go())
+
+
+def _listing(url: str, sbx: Sandbox, port: int) -> httpx.Response:
+    return httpx.get(f"{url}/", headers={"Host": f"{port}-{sbx.sandbox_id}.localhost"}, timeout=30)
+
+
+def test_port_bound_to_loopback_is_reachable(e2b_env: Server, sandboxes: list[object]) -> None:
+    """A server on 127.0.0.1 inside (a dev server's default) answers through the proxy, as on
+    E2B; a fork child's copy too. Once it stops, the port is free again for a server on all
+    addresses."""
+    s = Sandbox.create(template="base", timeout=120)
+    sandboxes.append(s)
+    s.files.write("/home/user/lo/only-on-loopback.txt", "x")
+    server = s.commands.run(
+        "cd /home/user/lo && exec python3 -m http.server --bind 127.0.0.1 8090", background=True
+    )
+    wait_port(s, 8090)
+
+    def listed(sbx: Sandbox) -> bool:
+        r = _listing(e2b_env.url, sbx, 8090)
+        return r.status_code == 200 and "only-on-loopback.txt" in r.text
+
+    wait_until(lambda: listed(s), 15, 0.2, "the loopback server through the proxy")
+    s.pause()
+    s = Sandbox.connect(s.sandbox_id)
+    assert listed(s)
+    # A fork checkpoints the parent and restores it in place; the child is restored from the
+    # same image: both keep their server and its forwarding.
+    (child,) = s.fork(count=1)
+    assert isinstance(child, Sandbox), child
+    sandboxes.append(child)
+    wait_until(lambda: listed(child), 15, 0.2, "the fork child's loopback server")
+    wait_until(lambda: listed(s), 15, 0.2, "the parent's loopback server after the fork")
+
+    server.kill()
+    wait_until(
+        lambda: _listing(e2b_env.url, s, 8090).status_code == 502, 15, 0.2, "the port to close"
+    )
+    s.commands.run(
+        "cd /home/user/lo && exec python3 -m http.server --bind 0.0.0.0 8090", background=True
+    )
+    wait_until(lambda: listed(s), 15, 0.2, "a server on all addresses on the same port")

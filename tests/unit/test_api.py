@@ -473,6 +473,32 @@ async def test_create_defaults(client: httpx.AsyncClient, orch: FakeOrchestrator
         assert r.json()["trafficAccessToken"] is None
 
 
+async def test_domain_is_returned_and_routes_sandbox_hosts(
+    tmp_path: Any, orch: FakeOrchestrator
+) -> None:
+    """With AENV_DOMAIN the node names it in create, connect and get (the SDKs build the
+    sandbox hosts from it) and routes `{port}-{id}.{domain}` to the sandbox, the rest of
+    the names under it (`api.{domain}`) to the control plane."""
+    settings = Settings(api_key=API_KEY, home=tmp_path, domain="aenv.example.com:8443")
+    app = create_app(settings, orch)  # type: ignore[arg-type]
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(
+        transport=transport,
+        base_url="http://api.aenv.example.com:8443",
+        headers={"X-API-Key": API_KEY},
+    ) as c:
+        r = await c.post("/v2/sandboxes", json={"templateID": "base"})
+        assert r.status_code == 201 and r.json()["domain"] == "aenv.example.com:8443"
+        sid = r.json()["sandboxID"]
+        r = await c.get(f"/sandboxes/{sid}")
+        assert r.status_code == 200 and r.json()["domain"] == "aenv.example.com:8443"
+        r = await c.post(f"/sandboxes/{sid}/connect", json={"timeout": 60})
+        assert r.json()["domain"] == "aenv.example.com:8443"
+        # A sandbox host goes to the resolver (the fake one answers 404 for unknown ids).
+        r = await c.get("/health", headers={"host": "49983-nosuch.aenv.example.com:8443"})
+        assert_error(r, 404)
+
+
 async def test_create_accepts_chunked_body(client: httpx.AsyncClient) -> None:
     async def chunks() -> AsyncIterator[bytes]:
         yield b'{"templateID":'

@@ -149,3 +149,29 @@ def test_section_fields_do_not_shadow_top_level_ones() -> None:
         names = set(section.model_fields)
         assert not names & top and not names & seen
         seen |= names
+
+
+def test_domain_from_environment_or_toml(
+    toml: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert Settings(home=tmp_path).domain is None
+    assert Settings(home=tmp_path).routing_domains == ["localhost"]
+    toml.write_text('domain = "Sandboxes.Example.COM."\n')
+    s = Settings(home=tmp_path)
+    assert s.domain == "sandboxes.example.com"
+    assert s.routing_domains == ["sandboxes.example.com", "localhost"]
+    # A :port is kept for the clients' URLs, left out of routing.
+    monkeypatch.setenv("AENV_DOMAIN", "aenv.localhost:8443")
+    s = Settings(home=tmp_path)
+    assert s.domain == "aenv.localhost:8443"
+    assert s.routing_domains == ["aenv.localhost", "localhost"]
+    monkeypatch.setenv("AENV_DOMAIN", "")
+    assert Settings(home=tmp_path).domain is None
+
+
+@pytest.mark.parametrize(
+    "bad", ["https://x.example.com", "a..b", "-a.example.com", "x.example.com:0", "x:99999", "a b"]
+)
+def test_bad_domain_is_refused(toml: Path, tmp_path: Path, bad: str) -> None:
+    with pytest.raises(ValidationError, match="domain"):
+        Settings(home=tmp_path, domain=bad)

@@ -205,7 +205,8 @@ class Sandbox(_Response):
     domain: str | None = None
 
     @classmethod
-    def from_record(cls, record: SandboxRecord) -> Sandbox:
+    def from_record(cls, record: SandboxRecord, domain: str | None = None) -> Sandbox:
+        """`domain`: the node's AENV_DOMAIN, from which the SDKs build the sandbox's hosts."""
         return cls(
             sandboxID=record.sandbox_id,
             templateID=record.template_id,
@@ -214,7 +215,7 @@ class Sandbox(_Response):
             alias=record.alias,
             envdAccessToken=record.envd_access_token or None,
             trafficAccessToken=record.traffic_access_token or None,
-            domain=None,
+            domain=domain,
         )
 
 
@@ -303,13 +304,15 @@ class SandboxDetail(_SandboxInfo):
     lifecycle: Lifecycle
 
     @classmethod
-    def from_record(cls, record: SandboxRecord, state: ApiState) -> SandboxDetail:
+    def from_record(
+        cls, record: SandboxRecord, state: ApiState, domain: str | None = None
+    ) -> SandboxDetail:
         return cls(
             **cls._common(record, state),
             envdAccessToken=record.envd_access_token or None,
             allowInternetAccess=record.egress.allow_internet,
             network=NetworkInfo.of(record),
-            domain=None,
+            domain=domain,
             lifecycle=Lifecycle(
                 autoResume=record.auto_resume,
                 onTimeout="pause" if record.auto_pause else "kill",

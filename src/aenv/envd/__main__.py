@@ -9,7 +9,8 @@ SIGTERM/SIGINT/SIGHUP to the child, which runs the server. The parent exits
 with the child's status. ``AENV_ENVD_NO_REAPER=1`` disables the fork.
 
 The sudo service (``sudo_service``) listens on ``$AENV_ENVD_SUDO_SOCKET``, which defaults
-to ``/run/aenv/sudo.sock`` only in a sandbox (PID 1 from the runtime bundle).
+to ``/run/aenv/sudo.sock`` only in a sandbox (PID 1 from the runtime bundle); likewise the
+forwarding of loopback-only ports (``portfwd``, ``AENV_ENVD_PORT_FORWARD=1``).
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     host, port = parse_args(sys.argv[1:] if argv is None else argv)
     from .sudo_protocol import DEFAULT_SOCKET, SOCKET_ENV
 
-    if _is_sandbox_init():  # the sudo service: on by default in sandboxes only
+    if _is_sandbox_init():  # the sudo service and port forwarding: on in sandboxes only
         os.environ.setdefault(SOCKET_ENV, DEFAULT_SOCKET)
+        os.environ.setdefault("AENV_ENVD_PORT_FORWARD", "1")
     if os.getpid() == 1 and os.environ.get("AENV_ENVD_NO_REAPER") != "1":
         child = os.fork()
         if child > 0:

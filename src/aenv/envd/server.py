@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from .process import ProcessManager
 
 MAX_INIT_BODY = 4 * 1024 * 1024
+# Names shared with portfwd, which is only imported where it runs.
+PORT_FORWARD_ENV = "AENV_ENVD_PORT_FORWARD"
+FORWARD_HOST_ENV = "AENV_ENVD_FORWARD_HOST"
 
 
 def _basic_user(req: Request) -> str | None:
@@ -252,6 +255,12 @@ async def serve(host: str, port: int, state: State | None = None) -> None:
         from .sudo_service import start_service
 
         sudo = start_service(app.state)
+    forwarding = None
+    if os.environ.get(PORT_FORWARD_ENV) == "1":  # in a sandbox (see portfwd)
+        from .portfwd import PortForwarder
+
+        forwarder = PortForwarder(skip={port}, host=os.environ.get(FORWARD_HOST_ENV) or None)
+        forwarding = asyncio.create_task(forwarder.run())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -261,6 +270,8 @@ async def serve(host: str, port: int, state: State | None = None) -> None:
         await stop.wait()
     finally:
         server.close()
+        if forwarding is not None:
+            forwarding.cancel()
         if sudo is not None:
             sudo.close()
         if app._procs is not None:

@@ -106,7 +106,7 @@ async def create_cold(
         timings=timings,
     )
     add_timing(response, timings)
-    return Sandbox.from_record(record)
+    return Sandbox.from_record(record, settings.domain)
 
 
 @router.post(

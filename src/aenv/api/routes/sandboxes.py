@@ -110,7 +110,7 @@ async def _create(
     async def create() -> tuple[Sandbox, str]:
         timings = Timings()
         record = await orchestrator.create(req, timings=timings)
-        return Sandbox.from_record(record), timings.header()
+        return Sandbox.from_record(record, settings.domain), timings.header()
 
     sandbox, timing = await idempotency.run(key, create)
     if timing:
@@ -211,9 +211,11 @@ async def list_sandboxes_v2(
 
 
 @router.get("/sandboxes/{sandbox_id}", summary="Get a sandbox")
-async def get_sandbox(sandbox_id: str, orchestrator: OrchestratorDep) -> SandboxDetail:
+async def get_sandbox(
+    sandbox_id: str, orchestrator: OrchestratorDep, settings: SettingsDep
+) -> SandboxDetail:
     record = orchestrator.get(sandbox_id)
-    return SandboxDetail.from_record(record, _visible_state(record))
+    return SandboxDetail.from_record(record, _visible_state(record), settings.domain)
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,7 +281,7 @@ async def _connect(
     record, resumed = await orchestrator.connect(sandbox_id, ttl, memory, timings=timings)
     response.status_code = 201 if resumed else 200
     add_timing(response, timings)
-    return Sandbox.from_record(record)
+    return Sandbox.from_record(record, settings.domain)
 
 
 _CONNECT_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -358,4 +360,4 @@ async def resume_sandbox(
     record, _ = await orchestrator.connect(sandbox_id, body.timeout, body.memory, timings=timings)
     response.status_code = 201
     add_timing(response, timings)
-    return Sandbox.from_record(record)
+    return Sandbox.from_record(record, settings.domain)

@@ -15,7 +15,7 @@ from aenv.domain import TemplateRecord, Timings
 from aenv.errors import NotFound
 
 from ..auth import require_api_key
-from ..deps import OrchestratorDep
+from ..deps import OrchestratorDep, SettingsDep
 from ..listing import Cursor, paginate
 from ..models import LIFECYCLE_ERRORS, ErrorBody, Sandbox, _Request, _Response
 from .builds import BuilderDep, TemplateBuild
@@ -162,6 +162,7 @@ async def fork_sandbox(
     sandbox_id: str,
     response: Response,
     orchestrator: OrchestratorDep,
+    settings: SettingsDep,
     body: ForkRequest | None = None,
 ) -> list[ForkResultBody]:
     body = body or ForkRequest()
@@ -171,7 +172,7 @@ async def fork_sandbox(
     out = []
     for r in results:
         if r.sandbox is not None:
-            out.append(ForkResultBody(sandbox=Sandbox.from_record(r.sandbox)))
+            out.append(ForkResultBody(sandbox=Sandbox.from_record(r.sandbox, settings.domain)))
         else:
             err = r.error
             assert err is not None
