@@ -139,12 +139,17 @@ def test_on_stdout_order(sbx: Any) -> None:
     assert "".join(got) == "".join(f"{i}\n" for i in range(1, 201))
 
 
-def test_background_stdin_list_kill(sbx: Any) -> None:
-    h = sbx.commands.run("cat", background=True, stdin=True, user="root")
+def test_background_stdin_list_kill(sbx: Any, tmp_path: Path) -> None:
+    echoed = tmp_path / "echoed"
+    h = sbx.commands.run(f"tee {echoed}", background=True, stdin=True, user="root")
     sbx.commands.send_stdin(h.pid, "ping\n")
     pids = [p.pid for p in sbx.commands.list()]
     assert h.pid in pids
-    time.sleep(0.3)  # let cat echo it; the output waits in envd until the handle reads it
+    # Once tee has the line its stdout has it too (waiting in envd until the handle reads).
+    for _ in range(200):
+        if echoed.exists() and echoed.read_text() == "ping\n":
+            break
+        time.sleep(0.05)
     assert sbx.commands.kill(h.pid) is True
     with pytest.raises(e2b.CommandExitException) as ei:
         h.wait()
