@@ -134,6 +134,7 @@ app.command("build")(templates.build)
 app.add_typer(template_app, name="template")
 template_app.command("ls")(templates.template_ls)
 template_app.command("build-base")(templates.template_build_base)
+template_app.command("build-code-interpreter")(templates.template_build_code_interpreter)
 template_app.command("rm")(templates.template_rm)
 
 app.add_typer(snapshot_app, name="snapshot")

@@ -125,6 +125,38 @@ def template_build_base(
     print(f"template base: {', '.join(layers)}")
 
 
+def template_build_code_interpreter(
+    ctx: typer.Context,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+) -> None:
+    """Build template `code-interpreter-v1` (for the e2b-code-interpreter SDK): its files on
+    this machine (like build-base), then its start command on the server."""
+    from ..builds import code_interpreter as ci
+    from .builds import LogPrinter, follow_build, request_build, start_build
+
+    st = state_of(ctx)
+    settings = st.settings()
+    if quiet:
+        stamp = ci.ensure_rootfs(settings)
+    else:
+        with _BuildProgress() as progress:
+            stamp = ci.ensure_rootfs(settings, progress=progress)
+    if ci.is_current(settings, stamp):
+        if not quiet:
+            print(f"template {ci.TEMPLATE_NAME} is up to date")
+        return
+    with st.control() as cp:
+        req = request_build(cp, ci.TEMPLATE_NAME, cpu=None, memory=ci.MEMORY_MB)
+        tid, bid = str(req["templateID"]), str(req["buildID"])
+        start_build(cp, tid, bid, ci.build_spec(stamp))
+        final = follow_build(cp, tid, bid, (lambda _e: None) if quiet else LogPrinter())
+    if final.get("status") != "ready":
+        reason = final.get("reason") or {}
+        raise CliError(f"build failed: {reason.get('message') or final.get('status')}")
+    if not quiet:
+        print(f"template {ci.TEMPLATE_NAME}: {tid}")
+
+
 class _BuildProgress:
     """Renders `progress(stage, detail)` callbacks: a spinner with the latest line on a
     terminal, one line per stage otherwise; each finished stage is printed with its time."""
