@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.aenv-installed
 export AENV_HOME ?= /var/lib/aenv
 
-.PHONY: install system venv base run test test-unit test-integration lint bench proto clean
+.PHONY: install system venv base code-interpreter run test test-unit test-integration lint bench proto clean
 
 install: system venv base
 
@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml
 
 base: venv
 	@$(BIN)/aenv template build-base --quiet
+
+# Needs the server running (`make run` in another shell): its start command is built there.
+code-interpreter: base
+	@$(BIN)/aenv template build-code-interpreter
 
 run: install
 	$(BIN)/aenv server
