@@ -3,18 +3,24 @@ message → event mapping, per-run environment code; and a bash context on the h
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 
+import httpx
 import pytest
 from e2b_code_interpreter.models import Execution, parse_output
 
 from aenv.codeinterp import events
 from aenv.codeinterp.bashctx import BashContext
+from aenv.codeinterp.server import Interpreter
+from aenv.envd.httpserver import serve_connection
 
 
 def _msg(kind: str, content: dict[str, object], parent: str = "m1") -> dict[str, object]:
@@ -153,3 +159,66 @@ async def test_bash_context_keeps_state_and_streams(tmp_path: Path) -> None:
         assert again.logs.stdout == ["unset\n"] and again.error is None
     finally:
         await ctx.close()
+
+
+@contextlib.asynccontextmanager
+async def interp_url(tmp_path: Path) -> AsyncIterator[str]:
+    """The server's routes on a loopback port (bash contexts only: no Jupyter here), on the
+    test's own event loop."""
+    interp = Interpreter(str(tmp_path), str(tmp_path))
+
+    async def on_conn(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await serve_connection(r, w, interp.handle)
+
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        for cid in list(interp.contexts):
+            await interp.remove(cid)
+
+
+async def _post_execute(c: httpx.AsyncClient, body: dict[str, object]) -> Execution:
+    r = await c.post("/execute", json=body)
+    assert r.status_code == 200, r.text
+    return _sdk([line.encode() + b"\n" for line in r.text.splitlines()])
+
+
+async def test_routes_with_a_bash_context(tmp_path: Path) -> None:
+    async with interp_url(tmp_path) as url, httpx.AsyncClient(base_url=url, timeout=60) as c:
+        assert (await c.get("/health")).status_code == 200
+        r = await c.post("/contexts", json={"language": "bash", "cwd": str(tmp_path)})
+        ctx = r.json()
+        assert r.status_code == 200 and ctx["language"] == "bash" and ctx["cwd"] == str(tmp_path)
+        ex = await _post_execute(
+            c, {"code": "echo $PWD $ONLY", "context_id": ctx["id"], "env_vars": {"ONLY": "x"}}
+        )
+        assert ex.logs.stdout == [f"{tmp_path} x\n"]
+        assert [x["id"] for x in (await c.get("/contexts")).json()] == [ctx["id"]]
+        for body, status in [
+            ({"code": "1", "context_id": ctx["id"], "language": "bash"}, 400),
+            ({"code": "1", "language": "r"}, 400),
+            ({"code": "1", "context_id": "nope"}, 404),
+            ({"code": 1}, 400),
+            ({"code": "1", "language": "bash", "env_vars": {"1X": "y"}}, 400),
+        ]:
+            r = await c.post("/execute", json=body)
+            assert r.status_code == status and r.json()["code"] == status, (body, r.text)
+        assert (await c.post(f"/contexts/{ctx['id']}/restart")).status_code == 204
+        assert (await c.delete(f"/contexts/{ctx['id']}")).status_code == 204
+        assert (await c.delete(f"/contexts/{ctx['id']}")).status_code == 404
+        assert (await c.get("/contexts")).json() == []
+
+
+async def test_a_caller_that_goes_away_stops_its_code(tmp_path: Path) -> None:
+    async with interp_url(tmp_path) as url, httpx.AsyncClient(base_url=url, timeout=60) as c:
+        body = {"code": "echo started; sleep 600", "language": "bash"}
+        async with c.stream("POST", "/execute", json=body) as r:
+            async for line in r.aiter_lines():
+                if "started" in line:
+                    break
+        # Without the interrupt this would wait behind the sleep (the context's lock).
+        after = await _post_execute(c, {"code": "echo after", "language": "bash"})
+        assert after.logs.stdout == ["after\n"]

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import re
+import signal
 import uuid
 from collections.abc import AsyncIterator
 
@@ -130,9 +131,11 @@ class BashContext:
         return self.proc.returncode
 
     async def interrupt(self) -> None:
+        """The code runs in the shell itself, so stopping it ends the shell (the running
+        execution reports it; the next one gets a new shell)."""
         if self.proc is not None and self.proc.returncode is None:
-            # The code runs in the shell itself: interrupting means a new shell.
-            await self.restart()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
     async def restart(self) -> None:
         await self.close()
@@ -143,7 +146,7 @@ class BashContext:
         proc, self.proc = self.proc, None
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, 9)
+                os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(proc.wait(), 5)
         for t in self.readers:

@@ -16,7 +16,7 @@ import urllib.request
 import uuid
 from typing import Any, Protocol
 
-from ..envd.httpserver import ClientGone, HTTPError, Request, Response, log, serve_connection
+from ..envd.httpserver import HTTPError, Request, Response, log, serve_connection
 from . import events
 from .bashctx import BashContext
 from .pyctx import PythonContext
@@ -170,17 +170,26 @@ class Interpreter:
         async with ctx.lock:
             await self.apply_sandbox_envs(ctx, req.header("x-access-token") or None)
             await resp.start(200, [("Content-Type", "application/x-ndjson")])
+            # A caller that goes away (its timeout, a cancel) stops the code too, even one
+            # that prints nothing: otherwise the context stays busy for the next caller.
+            # Not once the code is done: the SDK closes its connection right after the end.
+            running = [True]
+
+            def on_gone(t: asyncio.Task[None]) -> None:
+                if not t.cancelled() and running[0]:
+                    asyncio.ensure_future(ctx.interrupt())
+
+            gone = asyncio.create_task(req.conn.wait_closed())
+            gone.add_done_callback(on_gone)
             gen = ctx.execute(code, envs)
             try:
                 async for ev in gen:
                     await resp.write(events.ndjson(ev))
+                running[0] = False
                 await resp.write(events.ndjson(events.end()))
                 await resp.end()
-            except ClientGone:
-                # The caller went away (its timeout, a cancel): stop the code too.
-                await ctx.interrupt()
-                raise
             finally:
+                gone.cancel()
                 with contextlib.suppress(Exception):
                     await gen.aclose()
 
