@@ -9,7 +9,7 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
-from e2b import NotFoundException
+from e2b import NotFoundException, TimeoutException
 from e2b_code_interpreter import OutputMessage, Sandbox
 
 from tests.integration.conftest import AENV, Server
@@ -52,7 +52,7 @@ def test_default_template_state_and_streams(sbx: Sandbox) -> None:
     assert [m.line for m in out] == ["to stdout\n"]
     assert [m.line for m in err] == ["to stderr\n"]
     assert err[0].error and not out[0].error
-    assert first.logs.stdout == ["to stdout\n"]
+    assert "".join(first.logs.stdout) == "to stdout\n"
     # State kept between calls; the last expression is the main result.
     second = sbx.run_code("x + 2")
     assert second.text == "42"
@@ -94,22 +94,22 @@ def test_bash_and_contexts(sbx: Sandbox) -> None:
     # The default bash context keeps its shell state.
     sbx.run_code("COUNT=3; cd /tmp", language="bash")
     ex = sbx.run_code("echo count=$COUNT; pwd", language="bash")
-    assert ex.logs.stdout == ["count=3\n/tmp\n"]
+    assert "".join(ex.logs.stdout) == "count=3\n/tmp\n"
     failed = sbx.run_code(
         "echo oops >&2; exit_code_of() { return 4; }; exit_code_of", language="bash"
     )
-    assert failed.logs.stderr == ["oops\n"]
+    assert "".join(failed.logs.stderr) == "oops\n"
     assert failed.error is not None and failed.error.value == "4"
 
     ctx = sbx.create_code_context(language="bash", cwd="/home/user")
     assert ctx.language == "bash" and ctx.cwd == "/home/user"
     sbx.run_code("MINE=only-here", context=ctx)
-    assert sbx.run_code("echo ${MINE:-unset} ${COUNT:-unset}", context=ctx).logs.stdout == [
-        "only-here unset\n"
-    ]
+    mine = sbx.run_code("echo ${MINE:-unset} ${COUNT:-unset}", context=ctx)
+    assert "".join(mine.logs.stdout) == "only-here unset\n"
     assert ctx.id in [c.id for c in sbx.list_code_contexts()]
     sbx.restart_code_context(ctx)
-    assert sbx.run_code("echo ${MINE:-unset}", context=ctx).logs.stdout == ["unset\n"]
+    fresh = sbx.run_code("echo ${MINE:-unset}", context=ctx)
+    assert "".join(fresh.logs.stdout) == "unset\n"
     sbx.remove_code_context(ctx)
     assert ctx.id not in [c.id for c in sbx.list_code_contexts()]
     with pytest.raises(NotFoundException):
@@ -123,6 +123,14 @@ def test_bash_and_contexts(sbx: Sandbox) -> None:
     sbx.restart_code_context(py)
     assert sbx.run_code("'y' in globals()", context=py).text == "False"
     sbx.remove_code_context(py)
+
+
+def test_a_timed_out_run_is_stopped(sbx: Sandbox) -> None:
+    sbx.run_code("before = 'kept'")
+    with pytest.raises(TimeoutException):
+        sbx.run_code("import time\ntime.sleep(600)", timeout=3)
+    # The kernel was interrupted (not left sleeping with the context locked); state stays.
+    assert sbx.run_code("before").text == "kept"
 
 
 def test_state_survives_pause_resume_and_fork(ci_template: Server) -> None:

@@ -63,7 +63,7 @@ def test_an_execution_as_the_sdk_sees_it() -> None:
     assert t.done
     ex = _sdk([*lines, events.ndjson(events.end())])
     assert ex.execution_count == 7
-    assert ex.logs.stdout == ["out\n"] and ex.logs.stderr == ["err\n"]
+    assert "".join(ex.logs.stdout) == "out\n" and "".join(ex.logs.stderr) == "err\n"
     assert [r.is_main_result for r in ex.results] == [False, True]
     assert ex.results[0].png == "iVBO"
     # A str's repr keeps no quotes, as on E2B.
@@ -146,17 +146,17 @@ async def test_bash_context_keeps_state_and_streams(tmp_path: Path) -> None:
     await ctx.start()
     try:
         first = await _run(ctx, "V=7; cd /; printf 'no newline'")
-        assert first.logs.stdout == ["no newline"] and first.error is None
+        assert "".join(first.logs.stdout) == "no newline" and first.error is None
         second = await _run(ctx, "echo $V $(pwd); echo warn >&2; (exit 3)")
-        assert second.logs.stdout == ["7 /\n"] and second.logs.stderr == ["warn\n"]
+        assert "".join(second.logs.stdout) == "7 /\n" and "".join(second.logs.stderr) == "warn\n"
         assert second.error is not None and second.error.value == "3"
         assert second.execution_count == 2
         # `exit` ends the shell: reported, and the context starts afresh.
         gone = await _run(ctx, "echo bye; exit 5")
-        assert gone.logs.stdout == ["bye\n"]
+        assert "".join(gone.logs.stdout) == "bye\n"
         assert gone.error is not None and gone.error.name == "ContextRestarting"
         again = await _run(ctx, "echo ${V:-unset}")
-        assert again.logs.stdout == ["unset\n"] and again.error is None
+        assert "".join(again.logs.stdout) == "unset\n" and again.error is None
     finally:
         await ctx.close()
 
@@ -195,7 +195,7 @@ async def test_routes_with_a_bash_context(tmp_path: Path) -> None:
         ex = await _post_execute(
             c, {"code": "echo $PWD $ONLY", "context_id": ctx["id"], "env_vars": {"ONLY": "x"}}
         )
-        assert ex.logs.stdout == [f"{tmp_path} x\n"]
+        assert "".join(ex.logs.stdout) == f"{tmp_path} x\n"
         assert [x["id"] for x in (await c.get("/contexts")).json()] == [ctx["id"]]
         for body, status in [
             ({"code": "1", "context_id": ctx["id"], "language": "bash"}, 400),
@@ -221,4 +221,4 @@ async def test_a_caller_that_goes_away_stops_its_code(tmp_path: Path) -> None:
                     break
         # Without the interrupt this would wait behind the sleep (the context's lock).
         after = await _post_execute(c, {"code": "echo after", "language": "bash"})
-        assert after.logs.stdout == ["after\n"]
+        assert "".join(after.logs.stdout) == "after\n"
