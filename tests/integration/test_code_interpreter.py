@@ -95,6 +95,9 @@ def test_bash_and_contexts(sbx: Sandbox) -> None:
     sbx.run_code("COUNT=3; cd /tmp", language="bash")
     ex = sbx.run_code("echo count=$COUNT; pwd", language="bash")
     assert "".join(ex.logs.stdout) == "count=3\n/tmp\n"
+    assert ex.execution_count == 2
+    # The sandbox's own variables in a bash context too.
+    assert "".join(sbx.run_code("echo $GREETING", language="bash").logs.stdout) == "hello\n"
     failed = sbx.run_code(
         "echo oops >&2; exit_code_of() { return 4; }; exit_code_of", language="bash"
     )

@@ -68,9 +68,21 @@ class BashContext:
     async def execute(self, code: str, envs: dict[str, str]) -> AsyncIterator[Event]:
         if self.proc is None or self.proc.returncode is not None:
             await self.restart()
-        assert self.proc is not None and self.proc.stdin is not None
         self.count += 1
         yield events.count(self.count)
+        async for ev in self._run(code, envs):
+            yield ev
+
+    async def setenv(self, envs: dict[str, str]) -> None:
+        """Exports `envs` in the shell for good (not counted as an execution)."""
+        if self.proc is None or self.proc.returncode is not None:
+            await self.restart()
+        script = "".join(f"export {k}={events.shell_quote(v)}\n" for k, v in envs.items())
+        async for _ev in self._run(script, {}):
+            pass
+
+    async def _run(self, code: str, envs: dict[str, str]) -> AsyncIterator[Event]:
+        assert self.proc is not None and self.proc.stdin is not None
         fd = os.open(self.script, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(code if code.endswith("\n") else code + "\n")

@@ -65,6 +65,10 @@ class PythonContext:
             if (msg.get("parent_header") or {}).get("msg_id") == msg_id:
                 return dict(msg.get("content") or {})
 
+    async def setenv(self, envs: dict[str, str]) -> None:
+        """Sets `envs` in the kernel for good."""
+        await self.silent(f"import os as _aenv_os\n_aenv_os.environ.update({envs!r})\n")
+
     async def execute(self, code: str, envs: dict[str, str]) -> AsyncIterator[Event]:
         if envs:
             await self.silent(events.python_env_push(envs))

@@ -32,6 +32,7 @@ class Context(Protocol):
     lock: asyncio.Lock
 
     async def start(self) -> None: ...
+    async def setenv(self, envs: dict[str, str]) -> None: ...
     def execute(self, code: str, envs: dict[str, str]) -> Any: ...
     async def interrupt(self) -> None: ...
     async def restart(self) -> None: ...
@@ -106,15 +107,9 @@ class Interpreter:
             return
         self.env_applied.add(ctx.id)
         envs = await asyncio.to_thread(sandbox_envs, token)
-        if not envs:
-            return
-        if isinstance(ctx, PythonContext):
-            await ctx.silent(f"import os as _aenv_os\n_aenv_os.environ.update({envs!r})\n")
-        else:
-            ok = {k: v for k, v in envs.items() if events.valid_env_name(k) and "\0" not in v}
-            script = "".join(f"export {k}={events.shell_quote(v)}\n" for k, v in ok.items())
-            async for _ev in ctx.execute(script, {}):
-                pass
+        ok = {k: v for k, v in envs.items() if events.valid_env_name(k) and "\0" not in v}
+        if ok:
+            await ctx.setenv(ok)
 
     # -- HTTP -----------------------------------------------------------------------------
 
