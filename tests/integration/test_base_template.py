@@ -82,7 +82,8 @@ def test_rootfs_content(built: tuple[Settings, list[str]]) -> None:
     sudoers = root / "etc/sudoers.d/90-aenv-user"
     assert sudoers.read_text().strip() == "user ALL=(ALL:ALL) NOPASSWD: ALL"
     assert stat.S_IMODE(sudoers.stat().st_mode) == 0o440 and sudoers.stat().st_uid == 0
-    for tool in ("usr/bin/python3", "usr/bin/bash", "usr/bin/sudo", "usr/bin/curl", "usr/bin/git"):
+    tools = ("python3", "python", "bash", "sudo", "curl", "git")
+    for tool in (f"usr/bin/{t}" for t in tools):
         assert (root / tool).exists(), tool
     assert (root / "etc/hostname").read_text() == "sandbox\n"
     hosts = (root / "etc/hosts").read_text()

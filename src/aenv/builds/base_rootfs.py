@@ -49,7 +49,8 @@ HOSTNAME = "sandbox"
 # Bump when the post-debootstrap setup (users, files, cleanup) changes: gives a new cache dir.
 # 2: /usr/bin/sudo is envd's sudo shim (Debian's binary diverted to /usr/bin/sudo.distrib).
 # 3: /etc/profile asks bash's $EUID before spawning `id -u`.
-SETUP_VERSION = 3
+# 4: /usr/bin/python -> python3 (E2B's base has `python`).
+SETUP_VERSION = 4
 
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 DEFAULT_SECURITY_MIRROR = "http://deb.debian.org/debian-security"
@@ -267,6 +268,11 @@ def configure_rootfs(rootfs: Path, main_mirror: str, security_mirror: str) -> No
     _chroot(rootfs, "dpkg-divert", "--local", "--rename", "--add", "/usr/bin/sudo")
     _write(rootfs / "usr/bin/sudo", SUDO_SHIM, 0o755)
     _fast_profile(rootfs / "etc/profile")
+    # What Debian's python-is-python3 does (a file no package owns: installing that package
+    # later replaces it without a conflict).
+    python = rootfs / "usr/bin/python"
+    if not python.exists() and not python.is_symlink():
+        python.symlink_to("python3")
     _write(rootfs / "etc/hostname", f"{HOSTNAME}\n")
     _write(
         rootfs / "etc/hosts",

@@ -167,6 +167,7 @@ async def _wait_ready(
             cwd=state.workdir,
             timeout=READY_CHECK_TIMEOUT,
             on_line=lambda _s, line: ab.log("debug", f"[ready] {line}"),
+            shell=steps.LOGIN_SHELL,
         )
         if end.exit_code == 0:
             ab.log("info", f'[finalize] ready: "{spec.ready_cmd}" succeeded')

@@ -1,5 +1,5 @@
 """What build steps do inside a build sandbox, over envd (no tools needed in the image but
-`/bin/sh` for RUN and readyCmd; COPY runs envd's own bundled Python)."""
+`/bin/sh`; COPY runs envd's own bundled Python)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ COPY_DIR = "/.aenv-build"
 _HELPER = Path(__file__).with_name("copy_in_sandbox.py")
 _CHUNK = 1 << 20
 MAX_LINE = 4000
+# RUN steps run as Docker runs them; startCmd and readyCmd as E2B runs them, in a login
+# bash (envd falls back to `/bin/sh -l -c` in an image without bash).
+RUN_SHELL = ("/bin/sh", "-c")
+LOGIN_SHELL = ("/bin/bash", "-l", "-c")
 
 
 class LineSplitter:
@@ -56,12 +60,13 @@ async def run_shell(
     cwd: str | None,
     timeout: float | None,
     on_line: Callable[[str, str], None] | None = None,
+    shell: tuple[str, ...] = RUN_SHELL,
 ) -> ProcessEvent:
     lines = LineSplitter(on_line or (lambda _s, _l: None))
     try:
         return await rpc.run(
-            "/bin/sh",
-            ["-c", command],
+            shell[0],
+            [*shell[1:], command],
             user=user,
             envs=env,
             cwd=cwd,
@@ -146,7 +151,7 @@ class Background:
             lines = LineSplitter(on_line)
             try:
                 async for ev in rpc.process(
-                    "/bin/sh", ["-c", command], user=user, envs=env, cwd=cwd
+                    LOGIN_SHELL[0], [*LOGIN_SHELL[1:], command], user=user, envs=env, cwd=cwd
                 ):
                     if ev.kind == "start":
                         self.pid = ev.pid

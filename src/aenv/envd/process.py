@@ -132,7 +132,7 @@ class ProcessManager:
                     stdin = subprocess.DEVNULL
             try:
                 popen = subprocess.Popen(
-                    [cmd, *args],
+                    [_shell_fallback(cmd), *args],
                     stdin=stdin,
                     stdout=stdout,
                     stderr=stderr,
@@ -286,3 +286,11 @@ class ProcessManager:
             p + "CloseStdin": Method("unary", self.close_stdin),
             p + "Update": Method("unary", self.update),
         }
+
+
+def _shell_fallback(cmd: str) -> str:
+    """The SDK runs every command as `/bin/bash -l -c ...` (as E2B's envd does); an image
+    without bash (alpine, distroless-ish) runs it with `/bin/sh`, which takes `-l -c` too."""
+    if cmd == "/bin/bash" and not os.path.exists(cmd) and os.path.exists("/bin/sh"):
+        return "/bin/sh"
+    return cmd
