@@ -50,6 +50,12 @@ def _split_list(value: Any) -> Any:
     return value
 
 
+def _default_aliases() -> dict[str, str]:
+    from .builds.aliases import DEFAULT_IMAGE_ALIASES
+
+    return DEFAULT_IMAGE_ALIASES
+
+
 class ImageSettings(BaseModel):
     """Registries, pulls and the layer cache bound."""
 
@@ -70,6 +76,12 @@ class ImageSettings(BaseModel):
     pull_concurrency: int = Field(default=3, ge=1, le=32)
     # `os/arch[/variant]` to select from multi-platform images (default: the host's).
     pull_platform: str | None = None
+    # Image references that stand for local templates in builds (`fromImage`, Dockerfile
+    # FROM): image -> template name; an entry whose template does not exist is pulled as
+    # usual. Env: JSON object or `image=template,...`. Default: builds/aliases.py.
+    image_aliases: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=lambda: dict(_default_aliases())
+    )
 
     # The layer cache: capacity in GiB (0 = unbounded) and watermarks as fractions of it.
     # When usage exceeds `high`, unreferenced layers are evicted (least recently used first)
@@ -84,6 +96,19 @@ class ImageSettings(BaseModel):
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return _split_list(value)
+
+    @field_validator("image_aliases", mode="before")
+    @classmethod
+    def _aliases(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("{"):
+                return json.loads(text)
+            pairs = [p.partition("=") for p in text.split(",") if p.strip()]
+            if any(not sep or not k.strip() for k, sep, _v in pairs):
+                raise ValueError("image_aliases: use image=template[,image=template...]")
+            return {k.strip(): v.strip() for k, _sep, v in pairs}
+        return value
 
     @field_validator("insecure_registries", "search_registries", "allowed_registries")
     @classmethod

@@ -1,7 +1,8 @@
 """One template build from its base to its final layer stack; finalize.py makes the template.
 
   base   pull `fromImage` (credentials from `fromImageRegistry`) or take the layers of
-         `fromTemplate`; the image config seeds ENV, WORKDIR and USER
+         `fromTemplate` (also of a template the image-alias table maps `fromImage` to,
+         aliases.py); the image config seeds ENV, WORKDIR and USER
   steps  ENV / WORKDIR / USER change the build state. RUN and COPY each boot a build
          sandbox on the current layer stack (as the build USER, in WORKDIR, with ENV), do
          their work, and commit: `export_layers` seals the sandbox's upper as a new layer on
@@ -25,6 +26,7 @@ from ..images.pull import LayerProgress
 from ..orchestrator import Orchestrator
 from ..orchestrator.envd_client import EnvdRpc
 from . import stack, steps
+from .aliases import alias_for
 from .files import BuildFiles
 from .images import Images
 from .spec import LAYER_STEPS, BuildSpec, BuildState, Step, apply_state_step, cache_key
@@ -144,7 +146,10 @@ class BuildJob:
         ab = self.ab
         ab.step = "base"
         state = BuildState()
-        if spec.from_image:
+        aliased = await self._aliased_template(spec.from_image)
+        if aliased is not None:
+            ab.log("info", f"[base] FROM {spec.from_image}: local template {aliased} (image alias)")
+        if spec.from_image and aliased is None:
             ab.log("info", f"[base] FROM {spec.from_image}")
             img = await self.images.pull(
                 spec.from_image,
@@ -163,9 +168,11 @@ class BuildJob:
             }
             ab.log("info", f"[base] image {img.reference} ({len(layers)} layers)")
         else:
-            assert spec.from_template is not None
-            ab.log("info", f"[base] FROM template {spec.from_template}")
-            base = await self.orch.template(spec.from_template)
+            source = aliased or spec.from_template
+            assert source is not None
+            if aliased is None:
+                ab.log("info", f"[base] FROM template {source}")
+            base = await self.orch.template(source)
             if base.template_id == ab.record.template_id:
                 raise BuildFailed("a template cannot be built from itself", "base")
             layers = list(base.layers)
@@ -174,12 +181,26 @@ class BuildJob:
             state.workdir = base.workdir or None
             state.user = base.user or None
             origin = {"fromTemplate": base.template_id}
+            if aliased is not None:
+                origin["fromImage"] = spec.from_image
             if base.has_memory:
                 ab.log("info", "[base] (its files only: running processes are not kept)")
         missing = [d for d in layers if not self.orch.has_layer(d)]
         if missing:
             raise BuildFailed(f"base layers missing on this node: {', '.join(missing)}", "base")
         return Stack(layers=layers, state=state, origin=origin)
+
+    async def _aliased_template(self, image: str | None) -> str | None:
+        """The local template the image alias table maps `image` to, if that template exists."""
+        if not image:
+            return None
+        name = alias_for(image, self.settings.images.image_aliases)
+        if name is None:
+            return None
+        found = await self.orch.find_template(name)
+        if found is None or found.internal:
+            return None
+        return found.template_id
 
     async def has_dir(self, layers: list[str], path: str | None) -> bool:
         if not path:
