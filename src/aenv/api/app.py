@@ -23,7 +23,7 @@ from aenv.proxy.dispatch import SandboxRouter
 from .errors import install_error_handlers
 from .idempotency import IdempotencyCache
 from .limits import BodyLimit
-from .routes import builds, health, images, sandboxes, snapshots
+from .routes import builds, health, images, sandboxes, snapshots, tags
 
 
 def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAPI:
@@ -60,6 +60,7 @@ def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAP
     app.include_router(health.router)
     app.include_router(sandboxes.router)
     builds.attach(app)  # template builds; before snapshots (its /templates/{id:path})
+    app.include_router(tags.router)  # likewise
     app.include_router(images.router)
     app.include_router(snapshots.router)
     return app

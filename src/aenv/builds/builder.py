@@ -28,6 +28,7 @@ from .images import Images
 from .job import BUILD_PIN, META_BUILD, ActiveBuild, BuildFailed, BuildJob
 from .spec import parse_spec
 from .store import LEVELS, BuildReason, BuildRecord, BuildStore, LogEntry
+from .tags import DEFAULT_TAG, Tags, check_tags, owner_of
 
 log = logging.getLogger("aenv.builds")
 
@@ -57,6 +58,7 @@ class Builder:
         self.images = images or Images(settings, orchestrator)
         self.store = BuildStore(settings.home / "builds.db")
         self.files = BuildFiles(settings.home / "build-files", settings.upload_secret)
+        self.tags = Tags(self.store, orchestrator)
         self.ready_timeout = ready_timeout
         self._active: dict[str, ActiveBuild] = {}
         self._sem = asyncio.Semaphore(max(1, concurrency))
@@ -99,7 +101,7 @@ class Builder:
         """The id of the template `name` belongs to (catalog, or a build in flight)."""
         found = await self.orch.find_template(name)
         if found is not None:
-            tid = found.template_id
+            tid = owner_of(found)
             if found.internal:
                 return None
             if tid == "base" or found.kind is TemplateKind.SNAPSHOT:
@@ -127,9 +129,8 @@ class Builder:
             )
         base, tag = split_name(name)
         all_tags = [t for t in ([tag] if tag else []) + list(tags or []) if t]
-        for t in all_tags:
-            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", t):
-                raise BadRequest(f"invalid tag {t!r}")
+        if all_tags:
+            all_tags = check_tags(all_tags)
         tid = await self._template_for_name(base)
         if tid is None:
             tid = new_id("t")
@@ -150,6 +151,52 @@ class Builder:
         await asyncio.to_thread(self.store.put, record)
         return record
 
+    # ------------------------------------------------------------------ tags
+    async def template_of(self, id_or_name: str) -> str:
+        """The id of the template `id_or_name` (`name`, `name:tag`, an id) belongs to."""
+        found = await self.orch.find_template(id_or_name)
+        if found is not None and not found.internal:
+            return owner_of(found)
+        base, _tag = split_name(id_or_name)
+        for b in await asyncio.to_thread(self.store.all):
+            if id_or_name in (b.template_id, *b.names) or base == b.name:
+                return b.template_id
+        if base != id_or_name:
+            found = await self.orch.find_template(base)
+            if found is not None and not found.internal:
+                return owner_of(found)
+        raise NotFound(f"template {id_or_name!r} not found")
+
+    async def get_tags(self, id_or_name: str) -> list[tuple[str, str, float]]:
+        """(tag, build id, assigned at) of a template; a started build holds its tags
+        from its start, as in E2B (creating from it answers 404 until it is ready)."""
+        tid = await self.template_of(id_or_name)
+        out = {r.tag: (r.build_id, r.created) for r in await self.tags.rows(tid)}
+        started = sorted(
+            (ab.record for ab in self._active.values() if ab.record.template_id == tid),
+            key=lambda b: b.created,
+        )
+        for b in started:
+            for t in b.tags or [DEFAULT_TAG]:
+                out[t] = (b.build_id, b.created)
+        return [(t, bid, at) for t, (bid, at) in out.items()]
+
+    async def assign_tags(self, target: str, tags: list[str]) -> tuple[str, list[str]]:
+        """`target` is `name:tag` (or `name`, its default build); returns (build id, tags)."""
+        tags = check_tags(tags)
+        base, tag = split_name(target)
+        if not base or target.endswith(":"):
+            raise BadRequest(f"invalid target {target!r}: use name:tag")
+        tid = await self.template_of(base)
+        bid = await self.tags.assign(tid, tag, tags)
+        return bid, tags
+
+    async def remove_tags(self, name: str, tags: list[str]) -> None:
+        tags = check_tags(tags)
+        tid = await self.template_of(split_name(name)[0])
+        await self.tags.remove(tid, tags)
+
+    # ------------------------------------------------------------------ builds
     def get_build(self, template_id: str, build_id: str) -> BuildRecord:
         ab = self._active.get(build_id)
         b = ab.record if ab else self.store.get(build_id)
@@ -218,6 +265,7 @@ class Builder:
                 tasks.append(ab.task)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        await self.tags.forget(template_id)
         await asyncio.to_thread(self.store.delete_template, template_id)
         return bool(b_all)
 
@@ -225,7 +273,7 @@ class Builder:
     async def _run(self, ab: ActiveBuild) -> None:
         b = ab.record
         bid = b.build_id
-        job = BuildJob(self.settings, self.orch, self.images, self.store, self.files, ab)
+        job = BuildJob(self.settings, self.orch, self.images, self.store, self.files, ab, self.tags)
         t0 = time.monotonic()
         try:
             async with self._sem:

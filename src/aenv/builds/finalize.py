@@ -7,7 +7,8 @@ snapshot, so the started process is running in each of them. Without: the final 
 (+ env/user/workdir, the WORKDIR created if no step did) is the template, booted cold.
 
 The template keeps its id across builds (same name: same template); registering a new
-build's record replaces the earlier one (its layer holds, a memory image it no longer uses).
+build's record replaces the earlier one (its layer holds, a memory image it no longer uses)
+unless tags stay on the earlier one (tags.py: then it is kept under an id of its own).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ async def finalize(job: BuildJob, spec: BuildSpec, at: Stack, ready_timeout: flo
         ab.log("warn", f"[finalize] USER {state.user}: {warning}")
     extra: dict[str, Any] = {
         "build_id": b.build_id,
+        "name": b.name,
         "build_status": "ready",
         "start_cmd": spec.start_cmd,
         "ready_cmd": spec.ready_cmd,
@@ -47,6 +49,29 @@ async def finalize(job: BuildJob, spec: BuildSpec, at: Stack, ready_timeout: flo
     if spec.start_cmd or spec.ready_cmd:
         await _snapshot_started(job, spec, at, user, extra, ready_timeout)
         return
+    await _workdir_made(job, at)
+    async with job.tags.placing(b.template_id, b.build_id, b.tags) as target:
+        rec = TemplateRecord(
+            template_id=target,
+            kind=TemplateKind.TEMPLATE,
+            layers=at.layers,
+            names=list(b.names) if target == b.template_id else [],
+            env=dict(state.env),
+            user=user,
+            workdir=state.workdir,
+            cpu_count=b.cpu_count,
+            memory_mb=b.memory_mb,
+            created_at=utcnow().isoformat(),
+            extra=extra,
+        )
+        await job.orch.register_template(rec)
+    ab.log("info", f"[finalize] template {b.template_id} registered ({len(at.layers)} layers)")
+
+
+async def _workdir_made(job: BuildJob, at: Stack) -> None:
+    """A WORKDIR no step created is made (a layer of its own) before the end."""
+    ab = job.ab
+    state = at.state
     layers = at.layers
     if (
         state.workdir
@@ -62,21 +87,7 @@ async def finalize(job: BuildJob, spec: BuildSpec, at: Stack, ready_timeout: flo
             ab.log("info", f"[finalize] creating WORKDIR {state.workdir}")
             layers = await job.layer_step(None, fin, layers, state)
             await asyncio.to_thread(job.store.cache, key, layers[0])
-    rec = TemplateRecord(
-        template_id=b.template_id,
-        kind=TemplateKind.TEMPLATE,
-        layers=layers,
-        names=list(b.names),
-        env=dict(state.env),
-        user=user,
-        workdir=state.workdir,
-        cpu_count=b.cpu_count,
-        memory_mb=b.memory_mb,
-        created_at=utcnow().isoformat(),
-        extra=extra,
-    )
-    await job.orch.register_template(rec)
-    ab.log("info", f"[finalize] template {b.template_id} registered ({len(layers)} layers)")
+    at.layers = layers
 
 
 async def _snapshot_started(
@@ -115,20 +126,21 @@ async def _snapshot_started(
         await bg.detach()
     await asyncio.sleep(0.2)  # let envd see the stream go before the checkpoint
     ab.log("info", "[finalize] snapshotting the running sandbox (memory and files)")
-    # Internal until it is the template: neither listed nor published as a snapshot.
-    rec = await job.orch.snapshot(
-        sbx.sandbox_id,
-        None,
-        template_id=b.template_id,
-        parent=origin_of(at.origin),
-        extra=extra,
-        internal=True,
-    )
-    rec.kind = TemplateKind.TEMPLATE
-    rec.internal = False
-    rec.names = list(b.names)
-    rec.cpu_count, rec.memory_mb = b.cpu_count, b.memory_mb
-    await job.orch.register_template(rec)
+    async with job.tags.placing(b.template_id, b.build_id, b.tags) as target:
+        # Internal until it is the template: neither listed nor published as a snapshot.
+        rec = await job.orch.snapshot(
+            sbx.sandbox_id,
+            None,
+            template_id=target,
+            parent=origin_of(at.origin),
+            extra=extra,
+            internal=True,
+        )
+        rec.kind = TemplateKind.TEMPLATE
+        rec.internal = False
+        rec.names = list(b.names) if target == b.template_id else []
+        rec.cpu_count, rec.memory_mb = b.cpu_count, b.memory_mb
+        await job.orch.register_template(rec)
     ab.log("info", f"[finalize] template {rec.template_id} registered (snapshot with memory)")
 
 

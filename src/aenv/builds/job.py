@@ -31,6 +31,7 @@ from .files import BuildFiles
 from .images import Images
 from .spec import LAYER_STEPS, BuildSpec, BuildState, Step, apply_state_step, cache_key
 from .store import BuildRecord, BuildStore, LogEntry
+from .tags import Tags
 
 BUILD_SANDBOX_TTL = 6 * 3600
 STEP_TIMEOUT = 3600.0
@@ -95,6 +96,7 @@ class BuildJob:
         store: BuildStore,
         files: BuildFiles,
         ab: ActiveBuild,
+        tags: Tags,
     ) -> None:
         self.settings = settings
         self.orch = orch
@@ -102,6 +104,7 @@ class BuildJob:
         self.store = store
         self.files = files
         self.ab = ab
+        self.tags = tags
         self.build_id = ab.record.build_id
 
     async def flush_logs(self) -> None:

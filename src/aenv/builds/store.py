@@ -2,6 +2,7 @@
 
 Calls are small and synchronous; the builder runs them in a worker thread where it matters.
 Log entries are numbered per build (`seq` from 0), which is what `logsOffset` counts.
+Template tags (`template_tags`) point at ready builds; tags.py keeps the catalog in step.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ CREATE TABLE IF NOT EXISTS build_logs (
     step     TEXT,
     PRIMARY KEY (build_id, seq)
 );
+CREATE TABLE IF NOT EXISTS template_tags (
+    template_id TEXT NOT NULL,
+    tag         TEXT NOT NULL,
+    build_id    TEXT NOT NULL,
+    created     REAL NOT NULL,
+    PRIMARY KEY (template_id, tag)
+);
 CREATE TABLE IF NOT EXISTS step_cache (
     key       TEXT PRIMARY KEY,
     layer     TEXT NOT NULL,
@@ -56,6 +64,15 @@ class LogEntry:
     level: str
     message: str
     step: str | None = None
+
+
+@dataclass(frozen=True)
+class TagRow:
+    """A tag of a template and the (ready) build it points at."""
+
+    tag: str
+    build_id: str
+    created: float
 
 
 @dataclass
@@ -212,6 +229,35 @@ class BuildStore:
             ]
             self._db.executemany("DELETE FROM build_logs WHERE build_id=?", [(i,) for i in ids])
             self._db.execute("DELETE FROM builds WHERE template_id=?", (template_id,))
+            self._db.execute("DELETE FROM template_tags WHERE template_id=?", (template_id,))
+
+    # --- tags ---
+    def tags(self, template_id: str) -> list[TagRow]:
+        """Oldest assignment first."""
+        rows = self._run(
+            "SELECT tag, build_id, created FROM template_tags WHERE template_id=? "
+            "ORDER BY created, tag",
+            (template_id,),
+        )
+        return [TagRow(str(t), str(b), float(c)) for t, b, c in rows]
+
+    def set_tags(self, template_id: str, build_id: str, tags: Iterable[str]) -> None:
+        """Points `tags` at `build_id` (a tag moved keeps no trace of its earlier build)."""
+        now = time.time()
+        with self._lock:
+            self._db.executemany(
+                "INSERT INTO template_tags(template_id, tag, build_id, created) VALUES(?,?,?,?) "
+                "ON CONFLICT(template_id, tag) DO UPDATE SET build_id=excluded.build_id, "
+                "created=excluded.created",
+                [(template_id, t, build_id, now) for t in tags],
+            )
+
+    def remove_tags(self, template_id: str, tags: Iterable[str]) -> None:
+        with self._lock:
+            self._db.executemany(
+                "DELETE FROM template_tags WHERE template_id=? AND tag=?",
+                [(template_id, t) for t in tags],
+            )
 
     # --- logs ---
     def add_logs(self, build_id: str, entries: list[LogEntry]) -> None:

@@ -130,9 +130,9 @@ class Catalog:
         return [_doc_to_record(doc) for (doc,) in self._run("SELECT doc FROM sandboxes")]
 
     # --- templates: documents with an id and any number of unique names ---
-    def put_template(self, t: TemplateRecord) -> None:
+    def put_template(self, t: TemplateRecord, *, exact_names: bool = False) -> None:
         """Adds or replaces a template; its names are added to the ones it has (a name
-        another template had moves to this one)."""
+        another template had moves to this one), or with `exact_names` replace them."""
         with self._lock:
             self._db.execute("BEGIN")
             try:
@@ -146,6 +146,14 @@ class Catalog:
                         "INSERT INTO template_names(name, template_id) VALUES(?,?) "
                         "ON CONFLICT(name) DO UPDATE SET template_id=excluded.template_id",
                         (name, t.template_id),
+                    )
+                if exact_names:
+                    keep = list(t.names)
+                    marks = ",".join("?" * len(keep))
+                    self._db.execute(
+                        "DELETE FROM template_names WHERE template_id=?"
+                        + (f" AND name NOT IN ({marks})" if keep else ""),
+                        (t.template_id, *keep),
                     )
                 self._db.execute("COMMIT")
             except BaseException:

@@ -273,9 +273,11 @@ class Orchestrator:
         """Every template, internal ones included."""
         return await self._templates.all()
 
-    async def register_template(self, rec: TemplateRecord, *, publish: bool = True) -> None:
+    async def register_template(
+        self, rec: TemplateRecord, *, publish: bool = True, exact_names: bool = False
+    ) -> None:
         """Adds or replaces a template (see TemplateRegistry.register)."""
-        await self._templates.register(rec, publish=publish)
+        await self._templates.register(rec, publish=publish, exact_names=exact_names)
 
     async def delete_template(self, template_id: str) -> None:
         rec = await self._templates.get(template_id)

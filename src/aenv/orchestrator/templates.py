@@ -49,6 +49,10 @@ class TemplateRegistry:
     async def get(self, id_or_name: str) -> TemplateRecord:
         found = await self.find(id_or_name)
         if found is None:
+            name, sep, tag = id_or_name.rpartition(":")
+            if sep and name and tag and "/" not in tag:
+                # E2B's words, which clients waiting for a tagged build look for.
+                raise NotFound(f"tag {tag!r} does not exist for template {name!r}")
             raise NotFound(f"template {id_or_name!r} not found")
         return found
 
@@ -77,17 +81,20 @@ class TemplateRegistry:
         return found
 
     # ------------------------------------------------------------------ changes
-    async def register(self, rec: TemplateRecord, *, publish: bool = True) -> None:
+    async def register(
+        self, rec: TemplateRecord, *, publish: bool = True, exact_names: bool = False
+    ) -> None:
         """Adds or replaces a template: its layer references (an earlier version's are
-        dropped), the catalog entry, a memory image the new version no longer uses, and —
-        unless internal — its copy in the repository."""
+        dropped), the catalog entry (`exact_names`: its names are `rec.names` and no
+        others), a memory image the new version no longer uses (unless another template
+        shares it), and — unless internal — its copy in the repository."""
         old = await self.find(rec.template_id)
         if old is not None and old.template_id == rec.template_id:
             await asyncio.to_thread(self.storage.release, "template", rec.template_id)
         await asyncio.to_thread(self.storage.hold, "template", rec.template_id, rec.layers)
-        await asyncio.to_thread(self.catalog.put_template, rec)
+        await asyncio.to_thread(self.catalog.put_template, rec, exact_names=exact_names)
         if old is not None and old.checkpoint and old.checkpoint != rec.checkpoint:
-            await asyncio.to_thread(self.storage.remove_image, old.checkpoint)
+            await self._remove_image_unless_shared(old.checkpoint, rec.template_id)
         if publish and self.durable is not None and not rec.internal:
             self.durable.publish_later(rec)
 
@@ -98,7 +105,15 @@ class TemplateRegistry:
             # First: a publish in flight still reads the image.
             await self.durable.forget(rec.template_id)
         if rec.checkpoint:
-            await asyncio.to_thread(self.storage.remove_image, rec.checkpoint)
+            await self._remove_image_unless_shared(rec.checkpoint, rec.template_id)
+
+    async def _remove_image_unless_shared(self, image: str, template_id: str) -> None:
+        """A build pinned by a tag is a second record on the same memory image."""
+        others = [
+            t for t in await self.all() if t.checkpoint == image and t.template_id != template_id
+        ]
+        if not others:
+            await asyncio.to_thread(self.storage.remove_image, image)
 
     # ------------------------------------------------------------------ artifacts
     @property

@@ -171,7 +171,7 @@ async def request_build(body: TemplateBuildRequest, builder: BuilderDep) -> Temp
         templateID=b.template_id,
         buildID=b.build_id,
         names=[b.name],
-        tags=list(b.tags),
+        tags=list(b.tags) or ["default"],
         aliases=[b.name],
     )
 

@@ -11,6 +11,7 @@ from pydantic import Field
 
 from aenv import ENVD_VERSION
 from aenv.builds.store import BuildRecord
+from aenv.builds.tags import PINNED_OF, build_id_of, main_name, owner_of
 from aenv.domain import TemplateRecord, Timings
 from aenv.errors import NotFound
 
@@ -88,14 +89,16 @@ class TemplateInfo(_Response):
     @classmethod
     def of(cls, t: TemplateRecord) -> TemplateInfo:
         created = _when(t.created_at)
+        name = main_name(t)
+        names = [name] if name else []
         return cls(
             templateID=t.template_id,
-            buildID=str(t.extra.get("build_id") or t.template_id),
+            buildID=build_id_of(t),
             cpuCount=t.cpu_count or 2,
             memoryMB=t.memory_mb or 512,
             diskSizeMB=int(t.extra.get("disk_mb") or 1024),
-            aliases=t.names,
-            names=t.names,
+            aliases=names,
+            names=names,
             createdAt=created,
             updatedAt=created,
             buildStatus=str(t.extra.get("build_status") or "ready"),
@@ -208,17 +211,37 @@ def _pending_info(b: BuildRecord) -> TemplateInfo:
 
 
 @router.get("/templates", summary="List templates")
-@router.get("/v2/templates", summary="List templates", include_in_schema=False)
 async def list_templates(orchestrator: OrchestratorDep, builder: BuilderDep) -> list[TemplateInfo]:
     templates = await orchestrator.templates()
     by_template = await asyncio.to_thread(builder.by_template)
     out = []
     for t in templates:
-        if t.internal:
-            continue
+        if t.internal or t.extra.get(PINNED_OF):
+            continue  # a build kept for its tags is not a template of its own
         out.append(_with_builds(TemplateInfo.of(t), by_template.pop(t.template_id, [])))
     out.extend(_pending_info(bs[0]) for bs in by_template.values())
     return out
+
+
+@router.get("/v2/templates", summary="List templates (paginated)")
+async def list_templates_v2(
+    response: Response,
+    orchestrator: OrchestratorDep,
+    builder: BuilderDep,
+    limit: int = Query(default=100, ge=1, le=1000),
+    next_token: str | None = Query(default=None, alias="nextToken"),
+    team_id: str | None = Query(default=None, alias="teamID"),  # one team here
+) -> list[TemplateInfo]:
+    items = await list_templates(orchestrator, builder)
+    cursor = Cursor.decode(next_token) if next_token else None
+    page, token = paginate(items, order="asc", limit=limit, cursor=cursor, key=_template_key)
+    if token is not None:
+        response.headers[NEXT_TOKEN_HEADER] = token
+    return page
+
+
+def _template_key(t: TemplateInfo) -> tuple[datetime, str]:
+    return (t.created_at, t.template_id)
 
 
 @router.get(
@@ -231,7 +254,7 @@ async def template_alias(
 ) -> dict[str, Any]:
     found = await orchestrator.find_template(alias)
     if found is not None and not found.internal:
-        return {"templateID": found.template_id, "public": False}
+        return {"templateID": owner_of(found), "public": False}
     for b in await asyncio.to_thread(builder.pending_templates):
         if alias in b.names:
             return {"templateID": b.template_id, "public": False}
@@ -270,7 +293,10 @@ async def delete_template(
     template_id: str, orchestrator: OrchestratorDep, builder: BuilderDep
 ) -> Response:
     found = await orchestrator.find_template(template_id)
-    had_builds = await builder.delete_template(found.template_id if found else template_id)
+    if found is not None:
+        template_id = owner_of(found)  # `name:tag`: the whole template
+        await builder.tags.forget(template_id)
+    had_builds = await builder.delete_template(template_id)
     if found is not None or not had_builds:
         await orchestrator.delete_template(template_id)
     return Response(status_code=204)
