@@ -346,6 +346,104 @@ def test_rebuild_reuses_the_step_cache(images: Images, e2b_env: Server) -> None:
         delete_template(e2b_env, name)
 
 
+@pytest.mark.timeout(900)
+def test_sdk_tags_base_image_alias_and_tmp(e2b_env: Server, sandboxes: list[object]) -> None:
+    """E2B's base image resolves to the local `base` (no registry is reachable here); a
+    tagged build stays where its tags are while the next build moves the default; files
+    the build wrote under /tmp and the bash start command's work are in the template."""
+    name = unique("sdk-tags")
+
+    def kept(ref: str) -> str:
+        sbx = Sandbox.create(template=ref, timeout=120)
+        sandboxes.append(sbx)
+        return str(sbx.commands.run("cat /tmp/kept").stdout.strip())
+
+    logs: list[str] = []
+    v1 = (
+        Template()
+        .from_base_image()
+        .run_cmd("echo one > /tmp/kept && echo step-output-$((6 * 7))")
+        .set_start_cmd(
+            "words=(alpha beta); echo ${words[1]} > /tmp/started; exec sleep infinity",
+            "test -f /tmp/started",
+        )
+    )
+    try:
+        first = Template.build(v1, f"{name}:v1", on_build_logs=lambda e: logs.append(e.message))
+        assert "step-output-42" in logs, logs  # the step's own output, as it ran
+        assert any("local template base (image alias)" in line for line in logs), logs
+        tags = {t.tag: t.build_id for t in Template.get_tags(name)}
+        assert tags == {"v1": first.build_id, "default": first.build_id}
+        sbx = Sandbox.create(template=f"{name}:v1", timeout=120)
+        sandboxes.append(sbx)
+        assert sbx.commands.run("cat /tmp/kept /tmp/started").stdout.split() == ["one", "beta"]
+        assert sbx.commands.run("python -c 'print(6 * 7)'").stdout.strip() == "42"
+
+        # A Dockerfile FROM E2B's base image, untagged: it moves the default only.
+        second = Template.build(
+            Template().from_dockerfile("FROM e2bdev/base\nRUN echo two > /tmp/kept\n"), name
+        )
+        assert kept(name) == "two" and kept(f"{name}:{second.build_id}") == "two"
+        assert kept(f"{name}:v1") == "one" and kept(f"{name}:{first.build_id}") == "one"
+        tags = {t.tag: t.build_id for t in Template.get_tags(name)}
+        assert tags == {"v1": first.build_id, "default": second.build_id}
+
+        assigned = Template.assign_tags(f"{name}:v1", ["prod"])
+        assert assigned.build_id == first.build_id and assigned.tags == ["prod"]
+        assert kept(f"{name}:prod") == "one"
+        with pytest.raises(Exception):  # noqa: B017 (the SDK's exception type varies)
+            Template.assign_tags(f"{name}:v1", ":invalid-tag")
+        Template.remove_tags(name, ["v1", "prod"])
+        assert {t.tag for t in Template.get_tags(name)} == {"default"}
+        with pytest.raises(Exception, match="does not exist"):  # noqa: B017
+            Sandbox.create(template=f"{name}:v1", timeout=60)
+        with e2b_env.client() as c:
+            listed = [t for t in c.get("/v2/templates").json() if name in t["names"]]
+            assert [t["buildID"] for t in listed] == [second.build_id]
+    finally:
+        delete_template(e2b_env, name)
+    assert not Template.exists(name)
+
+
+@pytest.mark.timeout(600)
+def test_tmp_is_part_of_the_files(
+    images: Images, e2b_env: Server, sandboxes: list[object]
+) -> None:
+    """/tmp is the sandbox's disk like the rest: kept by a build, a files-only pause and a
+    snapshot; and an image without bash still runs the SDK's commands (with /bin/sh)."""
+    name = unique("sdk-nobash")
+    Template.build(
+        Template()
+        .from_image(images.busybox)
+        .run_cmd("rm /bin/bash && echo from-build > /tmp/built"),
+        name,
+        cpu_count=1,
+        memory_mb=256,
+    )
+    try:
+        sbx = Sandbox.create(template=name, timeout=120)
+        sandboxes.append(sbx)
+        assert sbx.commands.run("echo $((1 + 2)); cat /tmp/built").stdout.split() == [
+            "3",
+            "from-build",
+        ]
+        sbx.files.write("/tmp/paused.txt", "before the pause")
+        sbx.pause(mode="filesystem")
+        again = Sandbox.connect(sbx.sandbox_id)
+        assert again.files.read("/tmp/paused.txt") == "before the pause"
+        again.commands.run("echo snap > /tmp/snap.txt")
+        snap = again.create_snapshot()
+        child = Sandbox.create(template=snap.snapshot_id, timeout=60)
+        sandboxes.append(child)
+        assert child.commands.run("cat /tmp/snap.txt /tmp/built").stdout.split() == [
+            "snap",
+            "from-build",
+        ]
+        Sandbox.delete_snapshot(snap.snapshot_id)
+    finally:
+        delete_template(e2b_env, name)
+
+
 # --------------------------------------------------------------------------------------------
 # cold starts
 
