@@ -11,6 +11,8 @@ steps.py       what one step does inside a build sandbox (RUN, COPY, WORKDIR, st
 builder.py     build requests, records, status and logs; one background task per build
 job.py         one build's base and steps: build sandboxes, the step cache, layer holds
 finalize.py    the template a build ends in (cold, or a snapshot after startCmd/readyCmd)
+tags.py        template tags: which build `name:tag` / `name:<build id>` / `name` creates
+aliases.py     the image-alias table (`e2bdev/base` -> the local `base`, ...)
 dockerfile.py  a Dockerfile parser that turns a Dockerfile into the same build request
 base.py        the default template `base`: registering and checking it
 base_rootfs.py its Debian rootfs (debootstrap recipe, machine-wide rootfs cache)
