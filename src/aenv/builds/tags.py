@@ -72,7 +72,7 @@ def main_name(rec: TemplateRecord) -> str | None:
     from .builder import split_name
 
     plain = [n for n in rec.names if split_name(n)[1] is None]
-    return plain[0] if plain else None
+    return plain[0] if plain else (rec.names[0] if rec.names else None)
 
 
 class Tags:
