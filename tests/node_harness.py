@@ -4,6 +4,7 @@ in milliseconds, with no processes."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -51,6 +52,21 @@ class FakeEnvd:
     fail_inits: int = 0
     # Addresses whose envd does not answer its health check (a hung guest).
     unhealthy: set[str] = field(default_factory=set)
+    # envd's journal per sandbox address (`envd/journal.py`'s entries); `journal_seq`
+    # its last sequence number.
+    journal: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    journal_seq: dict[str, int] = field(default_factory=dict)
+
+    def log(self, host: str, message: str, level: str = "info", **fields: str) -> None:
+        """What envd records: one journal entry, now."""
+        seq = self.journal_seq.get(host, 0) + 1
+        self.journal_seq[host] = seq
+        entry = {"seq": seq, "ts": time.time(), "level": level, "message": message}
+        self.journal.setdefault(host, []).append({**entry, "fields": fields})
+
+    async def logs(self, host: str, port: int, *, token: str, after: int) -> dict[str, Any]:
+        entries = [e for e in self.journal.get(host, []) if e["seq"] > after]
+        return {"seq": self.journal_seq.get(host, 0), "entries": entries}
 
     async def wait_ready(self, host: str, port: int, timeout: float = 20.0) -> None:
         return None

@@ -216,6 +216,9 @@ class Settings(BaseSettings):
     # Admission: creates are refused (503) while the node's disk under $AENV_HOME has less
     # free than this (sandbox disks are sparse: their sizes are limits, not reservations).
     min_free_disk_mb: int = 1024
+    # The server's log lines: `text` (`... sandbox_id=ID` at the end of a line about a
+    # sandbox) or `json` (one object a line, `sandbox_id` a key).
+    log_format: Literal["text", "json"] = "text"
     # Sandboxes of the default template booted ahead of demand (envd up, not yet assigned):
     # a create that matches takes one and only has to initialise envd.
     sandbox_pool_size: int = 2

@@ -11,6 +11,7 @@ import uvicorn
 from .config import Settings
 from .errors import AenvError
 from .fsutil import private_tree
+from .logctx import configure as configure_logging
 from .orchestrator import Orchestrator
 from .orchestrator.catalog import Catalog
 from .orchestrator.durable import Durable
@@ -67,11 +68,7 @@ def serve(settings: Settings) -> None:
     from .api.app import create_app
     from .proxy.ws import SERVER_OPTIONS as WS_SERVER_OPTIONS
 
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(settings.log_format)
     # Every envd health probe would be an INFO line.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     check_tls(settings)

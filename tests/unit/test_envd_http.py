@@ -143,6 +143,21 @@ def test_metrics(client: httpx.Client) -> None:
     assert abs(m["ts"] - time.time()) < 5
 
 
+def test_logs_journal_processes_and_their_exit(client: httpx.Client) -> None:
+    before = client.get("/logs").json()["seq"]
+    events, _ = run(client, bash("exit 4", tag="journal-test"))
+    pid = events[0]["start"]["pid"]
+    body = client.get("/logs", params={"after": before}).json()
+    mine = [e for e in body["entries"] if e["fields"].get("pid") == str(pid)]
+    assert [e["message"] for e in mine] == ["process started", "process ended"]
+    started, ended = mine
+    assert started["fields"]["cmd"] == "/bin/bash" and started["fields"]["tag"] == "journal-test"
+    assert ended["fields"]["exitCode"] == "4" and ended["level"] == "warn"
+    assert body["seq"] >= ended["seq"] > started["seq"] > before
+    assert client.get("/logs", params={"after": body["seq"]}).json()["entries"] == []
+    assert client.get("/logs", params={"after": "x"}).status_code == 400
+
+
 # ---- process.Process -----------------------------------------------------------
 
 

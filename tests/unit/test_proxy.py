@@ -529,7 +529,9 @@ async def test_signed_file_urls_go_to_the_sandbox_that_signed(env: Env) -> None:
         assert r.json() == {"plane": "control", "path": "/files"}  # unsigned: not ours
 
 
-@pytest.mark.parametrize("path", ["/init", "/init/", "/%69nit", "/envs", "/metrics", "/proxy/init"])
+@pytest.mark.parametrize(
+    "path", ["/init", "/init/", "/%69nit", "/envs", "/metrics", "/logs", "/proxy/init"]
+)
 async def test_envd_internal_routes_are_refused(env: Env, path: str) -> None:
     before = len(env.resolved)
     async with env.client() as c:

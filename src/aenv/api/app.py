@@ -23,7 +23,7 @@ from aenv.proxy.dispatch import SandboxRouter
 from .errors import install_error_handlers
 from .idempotency import IdempotencyCache
 from .limits import BodyLimit
-from .routes import builds, health, images, sandboxes, snapshots, tags
+from .routes import builds, health, images, observability, sandboxes, snapshots, tags
 
 
 def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAPI:
@@ -58,6 +58,8 @@ def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAP
     # Build contexts stream to disk with their own bound; every other body is small JSON.
     app.add_middleware(BodyLimit, exempt=lambda path: path.startswith("/build-files/"))
     app.include_router(health.router)
+    # Before sandboxes: its `/sandboxes/{id}` would take `/sandboxes/metrics`.
+    app.include_router(observability.router)
     app.include_router(sandboxes.router)
     builds.attach(app)  # template builds; before snapshots (its /templates/{id:path})
     app.include_router(tags.router)  # likewise

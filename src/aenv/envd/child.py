@@ -13,6 +13,7 @@ import os
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from . import journal
 from .rpc import Msg, RPCError, b64e
 
 if TYPE_CHECKING:
@@ -195,7 +196,16 @@ class Proc:
         if self.pty_fd is not None:
             close_quiet(self.pty_fd)
             self.pty_fd = None
-        ev = {"event": {"end": self.end_event()}}
+        end = self.end_event()
+        journal.record(
+            "info" if end.get("exitCode") == 0 else "warn",
+            "process ended",
+            pid=self.pid,
+            cmd=self.config.get("cmd"),
+            exitCode=end.get("exitCode"),
+            status=end.get("status"),
+        )
+        ev = {"event": {"end": end}}
         for sub in self.subs:
             sub.push(ev, 0)
         self.finished.set()

@@ -89,10 +89,14 @@ def parse_query(qs: str) -> dict[str, str]:
     return out
 
 
-def log(*parts: object) -> None:
+def log(*parts: object, level: str = "info") -> None:
     # stderr may be gone; never fail because of logging
     with contextlib.suppress(Exception):
         print("envd:", *parts, file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        from . import journal
+
+        journal.record(level, " ".join(str(p) for p in parts))
 
 
 class Conn:
@@ -395,7 +399,7 @@ async def serve_connection(
                 resp.keep_alive = resp.keep_alive and e.status < 500
                 await resp.send_error(e.status, e.message)
             except Exception as e:  # a handler bug must not kill the server
-                log("internal error:", req.method, req.path, repr(e))
+                log("internal error:", req.method, req.path, repr(e), level="error")
                 if resp.started:
                     return
                 resp.keep_alive = False
@@ -412,7 +416,7 @@ async def serve_connection(
     except asyncio.CancelledError:
         raise
     except Exception as e:
-        log("connection error:", repr(e))
+        log("connection error:", repr(e), level="warn")
     finally:
         with contextlib.suppress(Exception):
             writer.close()

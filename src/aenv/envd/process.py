@@ -13,6 +13,7 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
+from . import journal
 from .child import Proc, Subscriber, close_quiet, wait_thread
 from .envrules import env_problem
 from .rpc import Ctx, Method, Msg, RPCError, Send, as_bool, as_int, as_msg, as_str, b64d
@@ -173,6 +174,17 @@ class ProcessManager:
             if want_stdin:
                 proc.stdin_fd = parent_fds[2]
         self.procs[proc.pid] = proc
+        journal.record(
+            "info",
+            "process started",
+            pid=proc.pid,
+            cmd=cmd,
+            args=" ".join(args),
+            user=user.name,
+            cwd=cwd,
+            tag=tag,
+            pty="true" if use_pty else None,
+        )
         proc.start_reading()
         threading.Thread(
             target=wait_thread,

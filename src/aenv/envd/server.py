@@ -172,6 +172,18 @@ class App:
 
             await resp.send_json(200, await collect())
             return
+        if path == "/logs":
+            if m != "GET":
+                raise HTTPError(405, "method not allowed")
+            self.http_auth(req)
+            from . import journal
+
+            try:
+                after = int(req.query.get("after", "0"))
+            except ValueError:
+                raise HTTPError(400, "after must be an integer") from None
+            await resp.send_json(200, journal.since(after))
+            return
         raise HTTPError(404, f"no route for {m} {path}")
 
     async def files(self, req: Request, resp: Response) -> None:

@@ -28,6 +28,7 @@ from ..domain import (
     new_id,
 )
 from ..errors import AenvError, RuntimeFailure, Unavailable
+from ..logctx import sandbox_context
 from ..runtime.base import Runtime, SandboxSpec
 from ..runtime.bundle import EnvdBundle
 from .context import NodeContext
@@ -228,18 +229,19 @@ class Booter:
         if boot is not None and boot.envd_token:
             r.envd_access_token = boot.envd_token  # what the restored envd holds
         self.table.add(r)
-        try:
-            await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, r.layers)
-            image = None
-            if boot is not None and boot.checkpoint is not None:
-                image = self.storage.image_dir(boot.checkpoint)
-            await self.boot(r, t, image=image, init=False)
-            # Also after a restore: the files bash and envd map are re-opened lazily.
-            await self._warm_up(r)
-        except BaseException:
-            self.table.discard(r.sandbox_id)
-            await self.forget(r)
-            raise
+        with sandbox_context(r.sandbox_id):
+            try:
+                await asyncio.to_thread(self.storage.hold, "sandbox", r.sandbox_id, r.layers)
+                image = None
+                if boot is not None and boot.checkpoint is not None:
+                    image = self.storage.image_dir(boot.checkpoint)
+                await self.boot(r, t, image=image, init=False)
+                # Also after a restore: the files bash and envd map are re-opened lazily.
+                await self._warm_up(r)
+            except BaseException:
+                self.table.discard(r.sandbox_id)
+                await self.forget(r)
+                raise
         return r
 
     async def _warm_up(self, r: SandboxRecord) -> None:

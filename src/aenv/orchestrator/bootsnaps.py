@@ -49,7 +49,7 @@ class BootSnapshots:
             return found
         if key not in self._tried and len(self._tried) < MAX_BOOT_SNAPSHOTS:
             default_mem = tpl.memory_mb or self.ctx.settings.default_memory_mb
-            self.ctx.spawn(self._ensure(tpl.template_id, cpu, default_mem))
+            self.ctx.spawn(self._ensure(tpl.template_id, cpu, default_mem), detached=True)
         return None
 
     async def prepare(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import secrets
 from collections.abc import Callable, Coroutine
@@ -46,9 +47,14 @@ class NodeContext:
             except Exception:
                 log.exception("a stop listener failed for sandbox %s", sandbox_id)
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
-        """Runs `coro` in the background; the node waits for it at shutdown."""
-        task = asyncio.create_task(coro, name=name)
+    def spawn(
+        self, coro: Coroutine[Any, Any, Any], name: str | None = None, *, detached: bool = False
+    ) -> asyncio.Task[Any]:
+        """Runs `coro` in the background; the node waits for it at shutdown. `detached`:
+        work for no sandbox in particular (its log lines do not carry the caller's)."""
+        task = asyncio.create_task(
+            coro, name=name, context=contextvars.Context() if detached else None
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task

@@ -1,4 +1,4 @@
-"""The node's client for envd: /health, /init, and (`EnvdClient.rpc`) processes and files."""
+"""The node's client for envd: /health, /init, /logs, and (`EnvdClient.rpc`) processes and files."""
 
 from __future__ import annotations
 
@@ -89,6 +89,21 @@ class EnvdClient:
         )
         if resp.status_code >= 300:
             raise RuntimeFailure(f"envd /init failed: {resp.status_code} {resp.text[:200]}")
+
+    async def logs(self, host: str, port: int, *, token: str, after: int) -> dict[str, Any]:
+        """envd's journal entries after sequence number `after` (`envd/journal.py`)."""
+        resp = await self._http.get(
+            f"http://{host}:{port}/logs",
+            params={"after": str(after)},
+            headers=auth_headers(token or None),
+            timeout=2.0,
+        )
+        if resp.status_code >= 300:
+            raise RuntimeFailure(f"envd /logs failed: {resp.status_code} {resp.text[:200]}")
+        body = resp.json()
+        if not isinstance(body, dict):
+            raise RuntimeFailure("envd /logs answered something other than an object")
+        return body
 
 
 # Connect-RPC calls into a sandbox (process.Process/Start, filesystem MakeDir, /files upload),

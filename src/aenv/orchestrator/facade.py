@@ -11,15 +11,21 @@ It composes the parts, each with one job, and only delegates:
     Snapshotter     snapshots                                     (snapshots.py)
     Forker          fork                                          (fork.py)
     TemplateRegistry catalog + layer holds + repository           (templates.py)
+    SandboxMetrics  sampled CPU/memory/disk per sandbox           (metrics.py)
+    SandboxLogs     node events + envd's journal per sandbox      (logs.py)
+    NodeStats       node view, operation counters, Prometheus     (nodeinfo.py)
 Parts call down or sideways to parts built before them, never back up to this facade."""
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import hmac
+import logging
 import os
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +54,10 @@ from .durable import Durable
 from .envd_client import EnvdClient, EnvdRpc
 from .fork import Forker, ForkResult
 from .liveness import Liveness
+from .logs import LogEntry, SandboxLogs
+from .metrics import SAMPLE_SECONDS, MetricSample, SandboxMetrics
 from .node import Node
+from .nodeinfo import NodeInfo, NodeStats
 from .pausing import Pauser
 from .pool import WarmPool
 from .recovery import Recovery
@@ -59,6 +68,8 @@ from .table import SandboxTable
 from .templates import TemplateRegistry
 
 DEFAULT_TEMPLATE = "base"
+
+log = logging.getLogger("aenv.orchestrator")
 
 
 def _host_memory_mb() -> int:
@@ -104,14 +115,28 @@ class Orchestrator:
         self._node = Node(
             ctx, table, runtime, templates, sandboxes, pauser, pool, envd, liveness, recovery
         )
+        self._metrics = SandboxMetrics(ctx, table, runtime, storage)
+        self._logs = SandboxLogs(table, envd)
+        self._stats = NodeStats(
+            table, settings.home, lambda: ctx.closing, self._cache_sizes(durable)
+        )
+        self._stats.service_instance_id = ctx.run_id
+        self._sampler: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ the node
     async def start(self, *, timers: bool = True) -> None:
         """Recovers what a previous run left and starts the timers (`timers=False`: the
         caller drives `tick`, as the state machine's tests do)."""
         await self._node.start(timers=timers)
+        if timers:
+            self._sampler = asyncio.create_task(self._sample_loop(), name="aenv-sampler")
 
     async def close(self) -> None:
+        self._ctx.closing = True  # the node reports `draining` while it shuts down
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
         await self._node.close()
 
     async def tick(self) -> None:
@@ -146,10 +171,20 @@ class Orchestrator:
         return self._table.list(metadata=metadata, states=states, template=template)
 
     async def create(self, req: CreateRequest, timings: Timings | None = None) -> SandboxRecord:
-        return await self._sandboxes.create(req, timings)
+        with self._stats.observe("create"):
+            r = await self._sandboxes.create(req, timings)
+        self._logs.note(
+            r.sandbox_id,
+            "sandbox created",
+            template=r.template_id,
+            cpuCount=r.cpu_count,
+            memoryMB=r.memory_mb,
+        )
+        return r
 
     async def kill(self, sandbox_id: str) -> None:
-        await self._sandboxes.kill(sandbox_id)
+        with self._stats.observe("kill", sandbox_id):
+            await self._sandboxes.kill(sandbox_id)
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
         return await self._sandboxes.set_timeout(sandbox_id, timeout)
@@ -182,12 +217,17 @@ class Orchestrator:
         *,
         require_healthy_guest: bool = False,
     ) -> None:
-        await self._pauser.pause(
-            sandbox_id, memory, timings, require_healthy_guest=require_healthy_guest
-        )
+        with self._stats.observe("pause", sandbox_id):
+            # What envd logged up to now: a paused envd cannot be asked.
+            await self._logs.pull(self._table.get(sandbox_id))
+            await self._pauser.pause(
+                sandbox_id, memory, timings, require_healthy_guest=require_healthy_guest
+            )
+        self._logs.note(sandbox_id, "sandbox paused", memory=str(memory).lower())
 
     async def hibernate(self, sandbox_id: str, timings: Timings | None = None) -> None:
-        await self._pauser.hibernate(sandbox_id, timings)
+        with self._stats.observe("hibernate", sandbox_id):
+            await self._pauser.hibernate(sandbox_id, timings)
 
     async def connect(
         self,
@@ -196,7 +236,11 @@ class Orchestrator:
         memory: bool | None = None,
         timings: Timings | None = None,
     ) -> tuple[SandboxRecord, bool]:
-        return await self._pauser.connect(sandbox_id, timeout, memory, timings)
+        with self._stats.observe("connect", sandbox_id):
+            r, resumed = await self._pauser.connect(sandbox_id, timeout, memory, timings)
+        if resumed:
+            self._logs.note(sandbox_id, "sandbox resumed")
+        return r, resumed
 
     async def resolve(
         self, sandbox_id: str, port: int, traffic_token: str | None = None
@@ -233,16 +277,20 @@ class Orchestrator:
         internal: bool = False,
         memory: bool = True,
     ) -> TemplateRecord:
-        return await self._snapshotter.snapshot(
-            sandbox_id,
-            name,
-            timings,
-            template_id=template_id,
-            parent=parent,
-            extra=extra,
-            internal=internal,
-            memory=memory,
-        )
+        with self._stats.observe("snapshot", sandbox_id):
+            rec = await self._snapshotter.snapshot(
+                sandbox_id,
+                name,
+                timings,
+                template_id=template_id,
+                parent=parent,
+                extra=extra,
+                internal=internal,
+                memory=memory,
+            )
+        if not internal:
+            self._logs.note(sandbox_id, "snapshot taken", snapshotID=rec.template_id)
+        return rec
 
     async def snapshots(
         self, sandbox_id: str | None = None, name: str | None = None
@@ -260,7 +308,60 @@ class Orchestrator:
         timeout: int | None = None,
         timings: Timings | None = None,
     ) -> builtins.list[ForkResult]:
-        return await self._forker.fork(sandbox_id, count, timeout, timings)
+        with self._stats.observe("fork", sandbox_id):
+            children = await self._forker.fork(sandbox_id, count, timeout, timings)
+        self._logs.note(sandbox_id, "sandbox forked", count=count)
+        return children
+
+    # ------------------------------------------------------------------ observability
+    def metrics(
+        self, sandbox_id: str, start: datetime | None = None, end: datetime | None = None
+    ) -> builtins.list[MetricSample]:
+        """The sandbox's recorded samples in [start, end], oldest first."""
+        return self._metrics.series(self._table.get(sandbox_id), start, end)
+
+    def latest_metrics(self, sandbox_id: str) -> MetricSample | None:
+        r = self._table.find(sandbox_id)
+        return None if r is None else self._metrics.latest(r)
+
+    async def logs(self, sandbox_id: str) -> builtins.list[LogEntry]:
+        """The sandbox's log entries (envd's journal read first), oldest first."""
+        r = self._table.get(sandbox_id)
+        await self._logs.pull(r)
+        return self._logs.entries(r)
+
+    async def node_info(self, *, with_sandboxes: bool = False) -> NodeInfo:
+        return await asyncio.to_thread(self._stats.info, with_sandboxes=with_sandboxes)
+
+    async def prometheus(self) -> bytes:
+        """The node's Prometheus text exposition."""
+        return await asyncio.to_thread(self._stats.exposition)
+
+    async def sample(self) -> None:
+        """One round of metrics samples and log pulls (the sampler does it every few
+        seconds; the tests drive it)."""
+        await self._metrics.sample_all()
+        await self._logs.pull_all()
+
+    async def _sample_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SAMPLE_SECONDS)
+            try:
+                await self.sample()
+            except Exception:
+                log.exception("metrics sampler")
+
+    def _cache_sizes(self, durable: Durable | None) -> Callable[[], dict[str, int]]:
+        """Bytes on disk of the layer store and of the cache of fetched memory images."""
+        refs = self._storage.refs
+
+        def sizes() -> dict[str, int]:
+            out = {"layers": refs.usage()}
+            if durable is not None:
+                out["snapshot_images"] = durable.store.cache.usage()
+            return out
+
+        return sizes
 
     # ------------------------------------------------------------------ templates
     async def template(self, id_or_name: str) -> TemplateRecord:

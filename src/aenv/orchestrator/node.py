@@ -8,8 +8,9 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-from ..domain import SandboxState
+from ..domain import SandboxRecord, SandboxState
 from ..errors import AenvError
+from ..logctx import sandbox_context
 from ..runtime.base import Runtime
 from .context import NodeContext
 from .envd_client import EnvdClient
@@ -81,22 +82,27 @@ class Node:
         for r in self.table.all():
             if r.end_at > now or r.state is not SandboxState.RUNNING:
                 continue
-            try:
-                if r.auto_pause:
-                    log.info("sandbox %s timed out: pausing", r.sandbox_id)
-                    await self.pauser.pause(r.sandbox_id, memory=r.auto_pause_memory)
-                else:
-                    log.info("sandbox %s timed out: killing", r.sandbox_id)
-                    await self.sandboxes.kill(r.sandbox_id)
-            except AenvError as e:
-                log.info("timeout handling of %s: %s", r.sandbox_id, e.message)
-            except Exception:
-                log.exception("timeout handling of %s failed", r.sandbox_id)
+            with sandbox_context(r.sandbox_id):
+                await self._expire(r)
         for sandbox_id in self.pauser.idle_frozen():
-            try:
-                await self.pauser.hibernate(sandbox_id)
-            except Exception:
-                log.exception("hibernating %s failed", sandbox_id)
+            with sandbox_context(sandbox_id):
+                try:
+                    await self.pauser.hibernate(sandbox_id)
+                except Exception:
+                    log.exception("hibernating %s failed", sandbox_id)
         self._ticks += 1
         if self._ticks % LIVENESS_EVERY_TICKS == 0:
             await self.liveness.sweep()
+
+    async def _expire(self, r: SandboxRecord) -> None:
+        try:
+            if r.auto_pause:
+                log.info("sandbox %s timed out: pausing", r.sandbox_id)
+                await self.pauser.pause(r.sandbox_id, memory=r.auto_pause_memory)
+            else:
+                log.info("sandbox %s timed out: killing", r.sandbox_id)
+                await self.sandboxes.kill(r.sandbox_id)
+        except AenvError as e:
+            log.info("timeout handling of %s: %s", r.sandbox_id, e.message)
+        except Exception:
+            log.exception("timeout handling of %s failed", r.sandbox_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -81,7 +82,11 @@ class WarmPool:
         if self.ctx.closing:
             return  # (with a pool size of 0 the task still makes the boot snapshot)
         if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._fill(delay), name="aenv-warm")
+            # A context of its own: the create that triggered a refill is not what the
+            # refill's log lines are about.
+            self._task = asyncio.create_task(
+                self._fill(delay), name="aenv-warm", context=contextvars.Context()
+            )
 
     async def close(self) -> None:
         if self._task:

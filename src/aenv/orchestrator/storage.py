@@ -25,6 +25,7 @@ from ..fsutil import private_dir
 from ..images.cache import LayerCache, holder
 from ..images.layers import LayerStore
 from ..runtime.disks import Disks
+from ..runtime.rootfs import is_mount_point
 
 
 class SandboxStorage:
@@ -137,6 +138,21 @@ class SandboxStorage:
         """Mounts the sandbox's disk if it has one and it is not (after a host reboot)."""
         if self.disks is not None and self.disks.image(sandbox_id).exists():
             self.disks.attach(sandbox_id, disk_mb)
+
+    def disk_usage(self, sandbox_id: str, disk_mb: int) -> tuple[int, int]:
+        """(used, total) bytes of the sandbox's own disk; without disk limits there is no
+        filesystem of its own to ask, so (0, its nominal size)."""
+        total = disk_mb * 1024 * 1024
+        if self.disks is None:
+            return 0, total
+        target = self.disks.mount_point(sandbox_id)
+        if not is_mount_point(target):
+            return 0, total
+        try:
+            sv = os.statvfs(target)
+        except OSError:
+            return 0, total
+        return (sv.f_blocks - sv.f_bfree) * sv.f_frsize, sv.f_blocks * sv.f_frsize
 
     def sweep_images(self, used: set[str]) -> int:
         """At start-up: removes the memory images nothing refers to (partly written by an
