@@ -32,6 +32,12 @@ def sandbox_context(sandbox_id: str | None) -> Iterator[None]:
         sandbox_id_var.reset(token)
 
 
+def about(sandbox_id: str) -> None:
+    """The rest of the current operation is about `sandbox_id` (a create, once its id is
+    known); the enclosing `sandbox_context` puts back what was before."""
+    sandbox_id_var.set(sandbox_id)
+
+
 class SandboxIdFilter(logging.Filter):
     """Puts the current sandbox id on each record (`record.sandbox_id`, None if none)."""
 

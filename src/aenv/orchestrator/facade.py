@@ -217,9 +217,10 @@ class Orchestrator:
         *,
         require_healthy_guest: bool = False,
     ) -> None:
+        # envd's journal is not read first (a request into the sandbox would cost pause
+        # more than the freeze): a frozen or hibernated envd keeps it for the next read
+        # after resume; a paused sandbox's logs are those read up to 5 s before.
         with self._stats.observe("pause", sandbox_id):
-            # What envd logged up to now: a paused envd cannot be asked.
-            await self._logs.pull(self._table.get(sandbox_id))
             await self._pauser.pause(
                 sandbox_id, memory, timings, require_healthy_guest=require_healthy_guest
             )

@@ -120,7 +120,9 @@ class NodeStats:
     def observe(self, op: str, sandbox_id: str | None = None) -> Iterator[None]:
         """Times one operation (about `sandbox_id`: its log lines carry the id)."""
         t0 = time.perf_counter()
-        with sandbox_context(sandbox_id) if sandbox_id else contextlib.nullcontext():
+        # A context even without an id: what the operation learns (`logctx.about`) ends
+        # with it.
+        with sandbox_context(sandbox_id):
             try:
                 yield
             except asyncio.CancelledError:

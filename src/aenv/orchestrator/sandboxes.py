@@ -14,6 +14,7 @@ from pathlib import Path
 from .. import crashpoint
 from ..domain import CreateRequest, EgressPolicy, SandboxRecord, SandboxState, Timings
 from ..errors import BadRequest, NotFound, Unavailable
+from ..logctx import about
 from ..runtime.base import Runtime
 from .boot import Booter
 from .bootsnaps import BootSnapshots
@@ -56,6 +57,7 @@ class Sandboxes:
         alias = req.template_id if req.template_id in names else (names[0] if names else None)
         warm = self.pool.take(tpl, cpu, mem)
         if warm is not None:
+            about(warm.sandbox_id)
             adopted = await self.pool.adopt(warm, req, alias, timeout, t)
             if adopted is not None:
                 return adopted
@@ -72,6 +74,7 @@ class Sandboxes:
             layers=None if boot is None else boot.layers,
         )
         self.table.add(r)
+        about(r.sandbox_id)
 
         # A fresh context per use: a @contextmanager object can be entered only once.
         def fetching() -> contextlib.AbstractContextManager[None]:

@@ -45,6 +45,7 @@ from aenv.errors import (
     InternalError,
     Unauthorized,
 )
+from aenv.logctx import sandbox_context
 
 from ._common import (
     ROUTING_HEADERS,
@@ -246,7 +247,9 @@ class SandboxRouter:
                 await self._error(scope, send, exc.status, exc.to_json())
                 return
             if route is not None:
-                await self._forward(route, scope, receive, send)
+                # Log lines of the request (auto-resume included) are about its sandbox.
+                with sandbox_context(route.sandbox_id):
+                    await self._forward(route, scope, receive, send)
                 return
         elif kind == "lifespan":
             await self.control_app(scope, receive, self._lifespan_send(send))
