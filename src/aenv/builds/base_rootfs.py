@@ -170,6 +170,18 @@ def _mounts_under(path: Path) -> list[str]:
     return out
 
 
+def publish_build_dir(work: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Puts a finished build directory (`work`, with its `meta.json`) in place of `final`.
+    An old one (a forced rebuild) is moved away first: layers imported from it keep their
+    own hard links, so nothing that uses it breaks."""
+    (work / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    if final.exists():
+        old = final.with_name(f".{final.name}.tmp-old-{os.getpid()}")
+        os.rename(final, old)
+        _remove_build_dir(old)
+    os.rename(work, final)
+
+
 def _remove_build_dir(path: Path) -> None:
     """Removes a (possibly half-built) rootfs: first unmounts whatever debootstrap left
     mounted inside (proc, sys, dev binds), then `rm -rf --one-file-system`."""
@@ -421,14 +433,7 @@ def ensure_cached_rootfs(
                 "created": datetime.now(UTC).isoformat(timespec="seconds"),
                 "debootstrap_seconds": round(t_deboot, 1),
             }
-            (work / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-            if final.exists():
-                # --force: move the old cache away first. Layers imported from it keep their
-                # own hard links, so nothing that uses it breaks.
-                old = cache / f".base-{rh}.tmp-old-{os.getpid()}"
-                os.rename(final, old)
-                _remove_build_dir(old)
-            os.rename(work, final)
+            publish_build_dir(work, final, meta)
         except BaseException:
             _remove_build_dir(work)
             raise

@@ -33,6 +33,7 @@ from .base_rootfs import (
     _remove_build_dir,
     cache_root,
     ensure_cached_rootfs,
+    publish_build_dir,
 )
 from .base_rootfs import (
     recipe_hash as base_recipe_hash,
@@ -185,12 +186,7 @@ def ensure_cached_layer(
                 "created": datetime.now(UTC).isoformat(timespec="seconds"),
                 "install_seconds": round(seconds, 1),
             }
-            (work / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-            if final.exists():
-                old = cache / f".code-interpreter-{rh}.tmp-old-{os.getpid()}"
-                os.rename(final, old)
-                _remove_build_dir(old)
-            os.rename(work, final)
+            publish_build_dir(work, final, meta)
         except BaseException:
             _remove_build_dir(work)
             raise
