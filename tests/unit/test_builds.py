@@ -323,6 +323,37 @@ def test_copy_helper_docker_semantics(tmp_path: Path) -> None:
     assert r.returncode == 2 and "does not exist" in r.stderr
 
 
+@pytest.mark.skipif(not ROOT, reason="the helper chowns (root only)")
+def test_copy_helper_keeps_symlinks_and_refuses_escapes(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        f = tarfile.TarInfo("folder/test.txt")
+        f.size = 4
+        tf.addfile(f, io.BytesIO(b"text"))
+        for name, target in (("folder/rel.txt", "test.txt"), ("folder/abs.txt", "/etc/passwd")):
+            link = tarfile.TarInfo(name)
+            link.type, link.linkname = tarfile.SYMTYPE, target
+            tf.addfile(link)
+    r = _copy(root, buf.getvalue(), src="folder/*", dest="/app/folder")
+    assert r.returncode == 0, r.stderr
+    assert (root / "app/folder/test.txt").read_text() == "text"
+    assert os.readlink(root / "app/folder/rel.txt") == "test.txt"
+    assert os.readlink(root / "app/folder/abs.txt") == "/etc/passwd"  # as Docker's COPY
+    # a member written through a symlink out of the context is refused
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        out = tarfile.TarInfo("up")
+        out.type, out.linkname = tarfile.SYMTYPE, str(tmp_path)
+        tf.addfile(out)
+        evil = tarfile.TarInfo("up/evil.txt")
+        evil.size = 1
+        tf.addfile(evil, io.BytesIO(b"x"))
+    assert _copy(root, buf.getvalue(), src="up", dest="/x").returncode != 0
+    assert not (tmp_path / "evil.txt").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # routes (no sandboxes: a build is only requested, its record and logs written directly)
 

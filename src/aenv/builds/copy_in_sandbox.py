@@ -115,7 +115,10 @@ def main(spec: dict[str, Any]) -> None:
         mode = int(spec["mode"], 8) if spec.get("mode") else None
         os.makedirs(scratch, exist_ok=True)
         with tarfile.open(tar_path, "r:*") as tf:
-            tf.extractall(scratch, filter="data")
+            # "tar", not "data": a build context's absolute symlinks are kept as Docker's
+            # COPY keeps them (they point into the image, not at the scratch directory);
+            # members that would land outside the scratch directory are still refused.
+            tf.extractall(scratch, filter="tar")
         src = spec["src"].strip()
         pattern = os.path.normpath(os.path.join(scratch, src.rstrip("/") or "."))
         if not (pattern == scratch or pattern.startswith(scratch + os.sep)):
