@@ -130,10 +130,11 @@ class VolumeFiles:
 
     @contextlib.contextmanager
     def _parent(
-        self, path: str, *, create: tuple[int, int, int] | None = None
+        self, path: str, *, create: tuple[int, int | None, int | None] | None = None
     ) -> Iterator[tuple[int, str, str]]:
         """(descriptor of the parent directory, last name, normalized path); the top itself
-        is (its descriptor, "", "/"). `create` (mode, uid, gid): missing parents are made."""
+        is (its descriptor, "", "/"). `create` (mode, uid, gid): missing parents are made
+        (owned as their own parent when uid/gid are None)."""
         norm = normalize(path)
         parts = [p for p in norm.split("/") if p]
         fds: list[int] = []
@@ -144,7 +145,7 @@ class VolumeFiles:
                     if create is not None:
                         with contextlib.suppress(FileExistsError):
                             os.mkdir(part, 0o700, dir_fd=fds[-1])
-                            _own(part, fds[-1], *create)
+                            _own(part, fds[-1], *_inherit(fds[-1], *create))
                     fds.append(_open_dir(part, fds[-1], norm))
             yield fds[-1], (parts[-1] if parts else ""), norm
         finally:
@@ -213,9 +214,8 @@ class VolumeFiles:
     ) -> EntryStat:
         """`force`: parents are made too, and an existing directory is no error."""
         m = DEFAULT_DIR_MODE if mode is None else _mode(mode)
-        owner = (m, _id(uid), _id(gid))
         with (
-            self._parent(path, create=owner if force else None) as (fd, name, norm),
+            self._parent(path, create=(m, uid, gid) if force else None) as (fd, name, norm),
             _errors(norm),
         ):
             if not name:
@@ -229,7 +229,7 @@ class VolumeFiles:
                 if force and stat.S_ISDIR(st.st_mode):
                     return _entry(norm, st)
                 raise Conflict(f"path {norm} already exists") from None
-            _own(name, fd, *owner)
+            _own(name, fd, *_inherit(fd, m, uid, gid))
             return _entry(norm, os.stat(name, dir_fd=fd, follow_symlinks=False))
 
     @contextlib.contextmanager
@@ -261,7 +261,7 @@ class VolumeFiles:
                 0o600,
                 dir_fd=fd,
             )
-            up = Upload(tfd, fd, tmp, name, norm, (m, _id(uid), _id(gid)), overwrite)
+            up = Upload(tfd, fd, tmp, name, norm, _inherit(fd, m, uid, gid), overwrite)
             try:
                 yield up
             finally:
@@ -366,8 +366,11 @@ def _own(name: str, dir_fd: int, mode: int, uid: int, gid: int) -> None:
         os.close(fd)
 
 
-def _id(value: int | None) -> int:
-    return 0 if value is None else value
+def _inherit(dir_fd: int, mode: int, uid: int | None, gid: int | None) -> tuple[int, int, int]:
+    """(mode, uid, gid) of a new entry: what was asked, else its directory's owner (so
+    what the API writes in a volume, whose top is the sandbox user's, stays theirs)."""
+    st = os.fstat(dir_fd)
+    return mode, st.st_uid if uid is None else uid, st.st_gid if gid is None else gid
 
 
 def _mode(mode: int) -> int:

@@ -32,9 +32,11 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _ID = re.compile(r"v[a-z0-9]{19}")
 MAX_MOUNT_PATH = 1024
 MAX_MOUNTS = 16
-# A new volume's top directory: every user of every image may write in it (sandboxes run
-# their commands as whichever user the template has; no other host user reaches the root).
+# A new volume's top directory: owned by E2B's default sandbox user (`user`, 1000), and
+# writable by every user of every image (templates may run commands as another); no other
+# host user reaches it (the root is 0700). What the content API makes inherits its owner.
 DATA_MODE = 0o777
+DATA_OWNER = 1000
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class VolumeStore:
         vdir.mkdir(mode=PRIVATE_DIR)
         data = vdir / "data"
         data.mkdir()
+        os.chown(data, DATA_OWNER, DATA_OWNER)
         os.chmod(data, DATA_MODE)  # whatever the umask
         write_private(self._meta(rec.volume_id), json.dumps(asdict(rec)).encode())
         try:
