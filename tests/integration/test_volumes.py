@@ -4,9 +4,11 @@ the volume's token, destroy), `volume_mounts` on create, read-only mounts (aenv'
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from e2b import CommandExitException, Sandbox, Volume
@@ -15,6 +17,7 @@ from tests.helpers import wait_until
 
 from .conftest import Server
 from .helpers import sandbox_record
+from .test_cli import aenv
 
 pytestmark = pytest.mark.integration
 
@@ -123,6 +126,12 @@ def test_volume_api_and_mounts(vol_env: Server, sandboxes: list[object]) -> None
     s = Sandbox.create(snap, timeout=60)
     sandboxes.append(s)
     assert _run(s, "cat /mnt/data/after-snapshot.txt") == "later"
+    # A files-only pause (processes dropped) boots it again, with the mount.
+    with vol_env.client() as c:
+        resp = c.post(f"/sandboxes/{s.sandbox_id}/pause", json={"memory": False})
+        assert resp.status_code == 204, resp.text
+    s = Sandbox.connect(s.sandbox_id)
+    assert _run(s, "cat /mnt/data/child.txt") == "from-child\n"
 
     # Deleting a volume mounted by a sandbox is refused; once they are gone it works, and
     # the snapshot that names it cannot start any more.
@@ -135,3 +144,29 @@ def test_volume_api_and_mounts(vol_env: Server, sandboxes: list[object]) -> None
     assert name not in [v.name for v in Volume.list()]
     with pytest.raises(Exception, match="was deleted"):
         Sandbox.create(snap)
+
+
+def test_volume_cli(server: Server, tmp_path: Path) -> None:
+    name = f"cli-{secrets.token_hex(4)}"
+    vid = aenv(server, "volume", "create", name).stdout.strip()
+    try:
+        src = tmp_path / "in.bin"
+        src.write_bytes(bytes(range(256)) * 4096)
+        aenv(server, "volume", "cp", str(src), f"{name}:/in.bin")
+        listed = json.loads(aenv(server, "volume", "files", vid, "--json").stdout)
+        assert [(e["path"], e["size"]) for e in listed] == [("/in.bin", 256 * 4096)]
+        aenv(server, "volume", "cp", f"{vid}:/in.bin", str(tmp_path / "out.bin"))
+        assert (tmp_path / "out.bin").read_bytes() == src.read_bytes()
+        # A sandbox started with --volume sees it, read-only.
+        sid = aenv(server, "start", "-d", "--volume", f"{name}:/v:ro").stdout.strip()
+        try:
+            script = "wc -c < /v/in.bin; touch /v/x"
+            out = aenv(server, "exec", sid, "--", "sh", "-c", script, check=False)
+        finally:
+            aenv(server, "rm", sid)
+        assert out.stdout.split()[0] == str(256 * 4096)
+        assert out.returncode != 0 and "Read-only" in out.stderr
+        assert name in aenv(server, "volume", "ls").stdout
+    finally:
+        aenv(server, "volume", "rm", name)
+    assert name not in aenv(server, "volume", "ls").stdout
