@@ -205,3 +205,15 @@ def test_paths_stay_inside(files: VolumeFiles, tmp_path: Path) -> None:
     files.remove("/dirlink")
     assert (outside / "secret").read_text() == "host file"
     assert outside.stat().st_mode & 0o777 != 0o777
+
+
+def test_new_entries_inherit_their_directory_owner(store: VolumeStore) -> None:
+    v = store.create("owned")
+    top = store.data_dir(v.volume_id)
+    assert (top.stat().st_uid, top.stat().st_mode & 0o777) == (1000, 0o777)
+    files = VolumeFiles(top)
+    assert _write(files, "/f", b"x").uid == 1000  # type: ignore[attr-defined]
+    assert files.make_dir("/a/b", force=True).gid == 1000
+    assert files.stat("/a").uid == 1000
+    assert files.make_dir("/r", uid=0, gid=0).uid == 0
+    assert _write(files, "/r/f", b"x").uid == 0  # type: ignore[attr-defined]
