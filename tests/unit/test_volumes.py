@@ -217,3 +217,15 @@ def test_new_entries_inherit_their_directory_owner(store: VolumeStore) -> None:
     assert files.stat("/a").uid == 1000
     assert files.make_dir("/r", uid=0, gid=0).uid == 0
     assert _write(files, "/r/f", b"x").uid == 0  # type: ignore[attr-defined]
+
+
+def test_volumes_root_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aenv.config import Settings
+
+    monkeypatch.delenv("AENV_VOLUMES_ROOT", raising=False)
+    assert Settings(home=tmp_path).volumes_dir == tmp_path / "volumes"
+    (tmp_path / "config.toml").write_text('volumes_root = "/srv/shared-volumes"\n')
+    monkeypatch.setenv("AENV_HOME", str(tmp_path))
+    assert Settings().volumes_dir == Path("/srv/shared-volumes")
+    monkeypatch.setenv("AENV_VOLUMES_ROOT", "/mnt/nfs/volumes")
+    assert Settings().volumes_dir == Path("/mnt/nfs/volumes")
