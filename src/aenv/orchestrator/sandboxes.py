@@ -136,7 +136,7 @@ class Sandboxes:
                 f"{req.template_id!r} is a snapshot: its sandboxes mount the volumes it was "
                 f"taken with ({have}); leave volumeMounts out or give the same"
             )
-        if wanted:
+        if wanted or not tpl.volume_mounts:
             return wanted
         await asyncio.to_thread(self.volumes.check_present, tpl.volume_mounts)
         return list(tpl.volume_mounts)
