@@ -245,6 +245,10 @@ class Settings(BaseSettings):
     # Each network slot takes a /30 of this range for its host-side address.
     net_cidr: str = "10.200.0.0/16"
     net_pool_size: int = 4
+    # Where volumes live (`/volumes`): one directory per volume, its metadata beside its
+    # files, nothing about them elsewhere, so it may be a file system nodes share (NFS...).
+    # None: $AENV_HOME/volumes.
+    volumes_root: Path | None = None
     # Where `aenv template build-base` downloads Debian packages from (None: the host's mirror).
     debian_mirror: str | None = None
 
@@ -304,7 +308,7 @@ class Settings(BaseSettings):
             raise ValueError(f"domain must be a DNS name with an optional :port, got {value!r}")
         return f"{name}:{int(port)}" if sep else name
 
-    @field_validator("tls_cert", "tls_key", mode="before")
+    @field_validator("tls_cert", "tls_key", "volumes_root", mode="before")
     @classmethod
     def _unset_if_empty(cls, value: Any) -> Any:
         # `AENV_TLS_CERT=` (empty) means unset, not the current directory.
@@ -360,6 +364,10 @@ class Settings(BaseSettings):
     def repo_dir(self) -> Path:
         """The local snapshot repository, unless `snapshots.snapshot_repo` names another."""
         return self.home / "repo"
+
+    @property
+    def volumes_dir(self) -> Path:
+        return self.volumes_root or self.home / "volumes"
 
     @property
     def catalog_path(self) -> Path:

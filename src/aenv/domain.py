@@ -11,7 +11,7 @@ import secrets
 import string
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -288,6 +288,26 @@ def _domain(text: str) -> str | None:
     return name
 
 
+@dataclass(frozen=True)
+class MountRequest:
+    """A volume a create asks for, by name (E2B's `volumeMounts` item)."""
+
+    name: str
+    path: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class VolumeMount:
+    """A volume mounted into a sandbox, at `path`, for every boot of it (resume, restore,
+    snapshot, fork children). By id: a volume re-created under the same name is another."""
+
+    volume_id: str
+    name: str
+    path: str
+    read_only: bool = False
+
+
 @dataclass
 class CreateRequest:
     template_id: str = "base"
@@ -304,6 +324,7 @@ class CreateRequest:
     public_traffic: bool = True
     # The Host header its ports see, `${PORT}` replaced by the port (E2B's maskRequestHost).
     mask_request_host: str | None = None
+    volume_mounts: list[MountRequest] = field(default_factory=list)
 
 
 @dataclass
@@ -347,6 +368,7 @@ class SandboxRecord:
     retired_layers: list[str] = field(default_factory=list)
     # The operation in flight (crash recovery); None between operations.
     pending: PendingOp | None = None
+    volume_mounts: list[VolumeMount] = field(default_factory=list)
 
     @property
     def address(self) -> str | None:
@@ -388,6 +410,7 @@ _TEMPLATE_FIELDS = (
     "boot_from_layers",
     "boot_run",
     "published",
+    "volume_mounts",
 )
 
 
@@ -425,6 +448,8 @@ class TemplateRecord:
     published: bool = False
     # What its builder keeps (build id, start command, source...): opaque to the core.
     extra: dict[str, Any] = field(default_factory=dict)
+    # A snapshot's volumes (not their content): what sandboxes restored from it mount.
+    volume_mounts: list[VolumeMount] = field(default_factory=list)
 
     @property
     def has_memory(self) -> bool:
@@ -441,6 +466,8 @@ class TemplateRecord:
         doc: dict[str, Any] = dict(self.extra)
         for name in _TEMPLATE_FIELDS:
             value = getattr(self, name)
+            if name == "volume_mounts":
+                value = [asdict(m) for m in value]
             doc[name] = value.value if isinstance(value, enum.Enum) else value
         return doc
 
@@ -460,6 +487,7 @@ class TemplateRecord:
         known["internal"] = bool(known.get("internal"))
         known["published"] = bool(known.get("published"))
         known["envd_token"] = known.get("envd_token") or ""
+        known["volume_mounts"] = [VolumeMount(**m) for m in known.get("volume_mounts") or []]
         if known.get("checkpoint") is not None:
             known["checkpoint"] = str(known["checkpoint"])
         return cls(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import secrets
 import shutil
 import stat
 from collections.abc import Iterator
@@ -52,6 +53,25 @@ def fsync_dir(path: Path | str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Replaces `path` atomically with `data`, readable by its owner only: readers see the
+    old content or the new, never a part (a temp file beside it, fsynced, renamed over)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), PRIVATE_FILE)  # whatever the umask
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 def rmtree(path: Path | str) -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import BadRequest, Conflict, InternalError, NotFound
-from .fsutil import flock, fsync_dir
+from .fsutil import flock, write_private
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -269,17 +269,4 @@ class KeyStore:
 
 def _write_private(path: Path, text: str) -> None:
     """Replaces `path` atomically with `text`, readable by its owner only."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), 0o600)  # whatever the umask
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    write_private(path, text.encode())

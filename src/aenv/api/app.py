@@ -23,7 +23,7 @@ from aenv.proxy.dispatch import SandboxRouter
 from .errors import install_error_handlers
 from .idempotency import IdempotencyCache
 from .limits import BodyLimit
-from .routes import builds, health, images, observability, sandboxes, snapshots, tags
+from .routes import builds, health, images, observability, sandboxes, snapshots, tags, volumes
 
 
 def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAPI:
@@ -55,8 +55,10 @@ def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAP
     app.state.idempotency = IdempotencyCache()
     app.state.api_keys = KeyStore.of(settings)
     install_error_handlers(app)
-    # Build contexts stream to disk with their own bound; every other body is small JSON.
-    app.add_middleware(BodyLimit, exempt=lambda path: path.startswith("/build-files/"))
+    # Build contexts and volume files stream to disk; every other body is small JSON.
+    app.add_middleware(
+        BodyLimit, exempt=lambda path: path.startswith(("/build-files/", "/volumecontent/"))
+    )
     app.include_router(health.router)
     # Before sandboxes: its `/sandboxes/{id}` would take `/sandboxes/metrics`.
     app.include_router(observability.router)
@@ -65,6 +67,8 @@ def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAP
     app.include_router(tags.router)  # likewise
     app.include_router(images.router)
     app.include_router(snapshots.router)
+    app.include_router(volumes.router)
+    app.include_router(volumes.content_router)
     return app
 
 

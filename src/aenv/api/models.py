@@ -101,6 +101,15 @@ class NetworkUpdate(EgressRules):
     allow_internet_access: bool | None = None
 
 
+class VolumeMountBody(_Request):
+    """An item of a create's `volumeMounts`."""
+
+    name: str = Field(min_length=1, max_length=255)
+    path: str = Field(min_length=1, max_length=1024)
+    # aenv's extension: E2B mounts volumes read-write only.
+    read_only: bool = Field(default=False, alias="readOnly")
+
+
 class NewSandboxV2(_Request):
     """Body of `POST /v2/sandboxes`."""
 
@@ -117,6 +126,9 @@ class NewSandboxV2(_Request):
     # Our extensions for a cold boot's size.
     cpu_count: int | None = Field(default=None, alias="cpuCount", ge=1, le=16)
     memory_mb: int | None = Field(default=None, alias="memoryMB", ge=128, le=65536)
+    volume_mounts: list[VolumeMountBody] | None = Field(
+        default=None, alias="volumeMounts", max_length=16
+    )
 
 
 class NewSandbox(NewSandboxV2):
@@ -219,6 +231,13 @@ class Sandbox(_Response):
         )
 
 
+class VolumeMountInfo(_Response):
+    name: str
+    path: str
+    # Only when true (aenv's extension).
+    read_only: bool | None = Field(default=None, alias="readOnly")
+
+
 class _SandboxInfo(_Response):
     """Fields shared by `ListedSandbox` and `SandboxDetail`."""
 
@@ -234,6 +253,7 @@ class _SandboxInfo(_Response):
     state: ApiState
     envd_version: str = Field(alias="envdVersion")
     metadata: dict[str, str] = Field(default_factory=dict)
+    volume_mounts: list[VolumeMountInfo] | None = Field(default=None, alias="volumeMounts")
 
     @field_validator("started_at", "end_at")
     @classmethod
@@ -255,6 +275,11 @@ class _SandboxInfo(_Response):
             "state": state,
             "envdVersion": record.envd_version,
             "metadata": dict(record.metadata),
+            "volumeMounts": [
+                VolumeMountInfo(name=m.name, path=m.path, readOnly=m.read_only or None)
+                for m in record.volume_mounts
+            ]
+            or None,
         }
 
 

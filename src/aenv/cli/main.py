@@ -15,7 +15,7 @@ from typer.core import TyperGroup
 
 from .. import __version__
 from ..errors import AenvError
-from . import keys, sandboxes, snapshots, templates
+from . import keys, sandboxes, snapshots, templates, volumes
 from .bench import bench
 from .errors import CliError, one_line
 from .state import CliState, state_of
@@ -53,6 +53,9 @@ app = typer.Typer(
 template_app = typer.Typer(help="Manage templates.", no_args_is_help=True)
 snapshot_app = typer.Typer(
     help="Snapshots: templates made from running sandboxes.", no_args_is_help=True
+)
+volume_app = typer.Typer(
+    help="Volumes: named directories sandboxes mount (E2B's Volume).", no_args_is_help=True
 )
 keys_app = typer.Typer(
     help="API keys of this node (run on the node host; no server needed).", no_args_is_help=True
@@ -140,6 +143,13 @@ template_app.command("rm")(templates.template_rm)
 app.add_typer(snapshot_app, name="snapshot")
 snapshot_app.command("create")(snapshots.snapshot_create)
 snapshot_app.command("ls")(snapshots.snapshot_ls)
+
+app.add_typer(volume_app, name="volume")
+volume_app.command("create")(volumes.volume_create)
+volume_app.command("ls")(volumes.volume_ls)
+volume_app.command("rm")(volumes.volume_rm)
+volume_app.command("files")(volumes.volume_files)
+volume_app.command("cp")(volumes.volume_cp)
 
 app.add_typer(keys_app, name="keys")
 keys_app.command("create")(keys.keys_create)

@@ -14,6 +14,7 @@ from .connect import ConnectError
 from .errors import CliError
 from .options import CwdOpt, EnvOpt, OutputFormat, OutputOpt, UserOpt, note, pairs
 from .state import CliState, state_of
+from .volumes import mount_specs
 
 
 def _join_command(command: list[str]) -> str:
@@ -65,6 +66,12 @@ def start(
     ] = False,
     user: UserOpt = None,
     cwd: CwdOpt = None,
+    volume: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--volume", "-v", metavar="NAME:/PATH[:ro]", help="Mount a volume (repeatable)."
+        ),
+    ] = None,
 ) -> None:
     """Create a sandbox and open an interactive shell in it (removed when the shell exits)."""
     state = state_of(ctx)
@@ -80,6 +87,8 @@ def start(
         body["memoryMB"] = memory
     if auto_pause:
         body["autoPause"] = True
+    if volume:
+        body["volumeMounts"] = mount_specs(volume)
     with state.control() as cp:
         sandbox = cp.create_sandbox(body)
         sandbox_id = str(sandbox["sandboxID"])

@@ -27,10 +27,11 @@ from ..domain import (
     Timings,
     new_id,
 )
-from ..errors import AenvError, RuntimeFailure, Unavailable
+from ..errors import AenvError, Conflict, RuntimeFailure, Unavailable
 from ..logctx import sandbox_context
-from ..runtime.base import Runtime, SandboxSpec
+from ..runtime.base import Mount, Runtime, SandboxSpec
 from ..runtime.bundle import EnvdBundle
+from ..volumes import VolumeStore
 from .context import NodeContext
 from .envd_client import EnvdClient
 from .squashing import Squasher, replace_run, run_to_squash
@@ -49,8 +50,10 @@ class Booter:
         storage: SandboxStorage,
         envd: EnvdClient,
         bundle: EnvdBundle,
+        volumes: VolumeStore | None = None,
     ) -> None:
         self.ctx = ctx
+        self.volumes = volumes
         self.table = table
         self.runtime = runtime
         self.storage = storage
@@ -112,13 +115,32 @@ class Booter:
             layers=layers,
             args=self.bundle.init_args(port=ENVD_PORT),
             env=self.bundle.init_env(access_token=r.envd_access_token),
-            mounts=[self.bundle.mount()],
+            mounts=[self.bundle.mount(), *self._volume_mounts(r)],
             cpu_count=r.cpu_count,
             memory_mb=r.memory_mb,
             hostname="sandbox",
             upper=Path(r.upper) if r.upper else None,
             egress=None if r.egress.is_open else r.egress,
         )
+
+    def _volume_mounts(self, r: SandboxRecord) -> builtins.list[Mount]:
+        """Bind mounts of the sandbox's volumes, the same at every boot and restore (a
+        checkpoint restores only with the mounts it was taken with)."""
+        if not r.volume_mounts:
+            return []
+        if self.volumes is None:
+            raise Unavailable("this node has no volume store")
+        out = []
+        for m in r.volume_mounts:
+            try:
+                source = self.volumes.data_dir(m.volume_id)
+            except AenvError:
+                raise Conflict(
+                    f"volume {m.name!r}, which sandbox {r.sandbox_id} mounts at {m.path}, "
+                    "was deleted"
+                ) from None
+            out.append(Mount(source=source, destination=m.path, readonly=m.read_only))
+        return out
 
     # ------------------------------------------------------------------ booting
     async def queue_behind(self) -> None:

@@ -26,6 +26,7 @@ from ..domain import (
     SandboxRecord,
     SandboxState,
     TemplateRecord,
+    VolumeMount,
 )
 from ..fsutil import private_sqlite
 
@@ -91,6 +92,7 @@ def _doc_to_record(doc: str) -> SandboxRecord:
         d["egress"] = EgressPolicy(**d["egress"])
     elif "allow_internet_access" in d:  # before egress rules
         d["egress"] = EgressPolicy(allow_internet=bool(d["allow_internet_access"]))
+    d["volume_mounts"] = [VolumeMount(**m) for m in d.get("volume_mounts") or []]
     known = {f.name for f in fields(SandboxRecord)}
     return SandboxRecord(**{k: v for k, v in d.items() if k in known})
 

@@ -14,6 +14,7 @@ It composes the parts, each with one job, and only delegates:
     SandboxMetrics  sampled CPU/memory/disk per sandbox           (metrics.py)
     SandboxLogs     node events + envd's journal per sandbox      (logs.py)
     NodeStats       node view, operation counters, Prometheus     (nodeinfo.py)
+    VolumeStore     volumes and their files                       (aenv.volumes)
 Parts call down or sideways to parts built before them, never back up to this facade."""
 
 from __future__ import annotations
@@ -36,16 +37,18 @@ from ..domain import (
     CreateRequest,
     EgressPolicy,
     SandboxRecord,
+    SandboxState,
     TemplateRecord,
     Timings,
     Upstream,
 )
 from ..envd.files import file_signature
-from ..errors import BadRequest
+from ..errors import BadRequest, Conflict
 from ..images.cache import holder
 from ..images.pull import PulledImage, pull
 from ..runtime.base import Runtime
 from ..runtime.bundle import EnvdBundle
+from ..volumes import VolumeFiles, VolumeRecord, VolumeStore
 from .boot import Booter
 from .bootsnaps import BootSnapshots
 from .catalog import Catalog
@@ -68,6 +71,7 @@ from .table import SandboxTable
 from .templates import TemplateRegistry
 
 DEFAULT_TEMPLATE = "base"
+_ENDED = (SandboxState.KILLED, SandboxState.LOST)
 
 log = logging.getLogger("aenv.orchestrator")
 
@@ -101,12 +105,13 @@ class Orchestrator:
         self._templates = templates = TemplateRegistry(
             catalog, storage, durable, runtime.image_complete
         )
-        booter = Booter(ctx, table, runtime, storage, envd, bundle)
+        self._volumes = volumes = VolumeStore(settings.volumes_dir)
+        booter = Booter(ctx, table, runtime, storage, envd, bundle, volumes)
         self._snapshotter = snapshotter = Snapshotter(ctx, table, booter, runtime, templates)
         self._boot_snapshots = boot = BootSnapshots(ctx, table, booter, snapshotter, templates)
         pool = WarmPool(ctx, table, booter, templates, boot)
         self._sandboxes = sandboxes = Sandboxes(
-            ctx, table, booter, templates, pool, boot, runtime, storage
+            ctx, table, booter, templates, pool, boot, runtime, storage, volumes
         )
         self._pauser = pauser = Pauser(ctx, table, booter, runtime, templates)
         self._forker = Forker(ctx, table, snapshotter, sandboxes, templates)
@@ -387,6 +392,37 @@ class Orchestrator:
             raise BadRequest(f"the default template {DEFAULT_TEMPLATE!r} cannot be deleted")
         await self._boot_snapshots.forget_template(rec.template_id)
         await self._templates.delete(rec)
+
+    # ------------------------------------------------------------------ volumes
+    async def create_volume(self, name: str) -> VolumeRecord:
+        return await asyncio.to_thread(self._volumes.create, name)
+
+    async def volumes(self) -> builtins.list[VolumeRecord]:
+        return await asyncio.to_thread(self._volumes.all)
+
+    async def volume(self, volume_id: str) -> VolumeRecord:
+        return await asyncio.to_thread(self._volumes.get, volume_id)
+
+    async def delete_volume(self, volume_id: str) -> None:
+        """Refused (409) while a sandbox of this node that is not gone mounts it (paused
+        ones remount it at resume); snapshots only name it, and fail to start once it is
+        gone."""
+        rec = await self.volume(volume_id)
+        users = sorted(
+            r.sandbox_id
+            for r in self._table.all()
+            if r.state not in _ENDED and any(m.volume_id == rec.volume_id for m in r.volume_mounts)
+        )
+        if users:
+            raise Conflict(
+                f"volume {rec.name!r} is mounted by sandbox(es) {', '.join(users)}: kill them first"
+            )
+        await asyncio.to_thread(self._volumes.delete, volume_id)
+
+    async def volume_files(self, volume_id: str, token: str) -> VolumeFiles:
+        """The files of a volume, for the holder of its token."""
+        rec = await asyncio.to_thread(self._volumes.authorize, volume_id, token)
+        return VolumeFiles(await asyncio.to_thread(self._volumes.data_dir, rec.volume_id))
 
     # ------------------------------------------------------------------ layers
     def layer_path(self, digest: str) -> Path:

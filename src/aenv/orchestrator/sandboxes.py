@@ -12,10 +12,20 @@ from datetime import timedelta
 from pathlib import Path
 
 from .. import crashpoint
-from ..domain import CreateRequest, EgressPolicy, SandboxRecord, SandboxState, Timings
+from ..domain import (
+    CreateRequest,
+    EgressPolicy,
+    SandboxRecord,
+    SandboxState,
+    TemplateRecord,
+    Timings,
+    VolumeMount,
+)
 from ..errors import BadRequest, NotFound, Unavailable
 from ..logctx import about
 from ..runtime.base import Runtime
+from ..runtime.bundle import MOUNT as ENVD_MOUNT
+from ..volumes import VolumeStore
 from .boot import Booter
 from .bootsnaps import BootSnapshots
 from .context import NodeContext, check_timeout
@@ -25,6 +35,8 @@ from .table import SandboxTable
 from .templates import TemplateRegistry
 
 _GONE = (SandboxState.KILLED, SandboxState.KILLING)
+# Where no volume may be mounted: what every sandbox needs there would be hidden.
+RESERVED_PATHS = ("/proc", "/dev", "/sys", ENVD_MOUNT)
 
 
 @dataclass
@@ -37,6 +49,7 @@ class Sandboxes:
     boot_snapshots: BootSnapshots
     runtime: Runtime
     storage: SandboxStorage
+    volumes: VolumeStore
 
     async def create(self, req: CreateRequest, timings: Timings | None = None) -> SandboxRecord:
         t = timings or Timings()
@@ -55,7 +68,9 @@ class Sandboxes:
             mem = req.memory_mb or tpl.memory_mb or s.default_memory_mb
         names = tpl.names
         alias = req.template_id if req.template_id in names else (names[0] if names else None)
-        warm = self.pool.take(tpl, cpu, mem)
+        mounts = await self._mounts(tpl, req)
+        # Pre-booted sandboxes and boot snapshots have no volumes: one with some boots cold.
+        warm = None if mounts else self.pool.take(tpl, cpu, mem)
         if warm is not None:
             about(warm.sandbox_id)
             adopted = await self.pool.adopt(warm, req, alias, timeout, t)
@@ -63,7 +78,7 @@ class Sandboxes:
                 return adopted
         self.check_free_disk()
         self.table.reserve(mem)
-        boot = self.boot_snapshots.for_shape(tpl, cpu, mem)
+        boot = None if mounts else self.boot_snapshots.for_shape(tpl, cpu, mem)
         r = self.booter.new_record(
             tpl,
             req,
@@ -73,6 +88,7 @@ class Sandboxes:
             mem=mem,
             layers=None if boot is None else boot.layers,
         )
+        r.volume_mounts = mounts
         self.table.add(r)
         about(r.sandbox_id)
 
@@ -104,6 +120,26 @@ class Sandboxes:
         await self.table.save(r)
         self.booter.squash_later(r)
         return r
+
+    async def _mounts(self, tpl: TemplateRecord, req: CreateRequest) -> builtins.list[VolumeMount]:
+        """The volumes the new sandbox mounts: the request's, checked before anything
+        boots; from a snapshot, the snapshot's own (its processes may hold files open there,
+        and a checkpoint restores only with the mounts it was taken with)."""
+        wanted: builtins.list[VolumeMount] = []
+        if req.volume_mounts:
+            wanted = await asyncio.to_thread(
+                self.volumes.resolve, req.volume_mounts, RESERVED_PATHS
+            )
+        if tpl.has_memory and wanted and wanted != tpl.volume_mounts:
+            have = ", ".join(f"{m.name} at {m.path}" for m in tpl.volume_mounts) or "none"
+            raise BadRequest(
+                f"{req.template_id!r} is a snapshot: its sandboxes mount the volumes it was "
+                f"taken with ({have}); leave volumeMounts out or give the same"
+            )
+        if wanted or not tpl.volume_mounts:
+            return wanted
+        await asyncio.to_thread(self.volumes.check_present, tpl.volume_mounts)
+        return list(tpl.volume_mounts)
 
     def check_free_disk(self) -> None:
         """Admission: a node short of disk refuses new sandboxes rather than have them fail

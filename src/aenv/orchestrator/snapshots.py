@@ -271,6 +271,8 @@ class Snapshotter:
             envd_token=r.envd_access_token,
             env_vars=dict(r.env_vars),
             extra=dict(extra or {}),
+            # The mounts, not the volumes' files: its sandboxes mount the same volumes.
+            volume_mounts=list(r.volume_mounts),
         )
 
     async def _restore(

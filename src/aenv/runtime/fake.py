@@ -72,6 +72,8 @@ class FakeContainer:
     # The rules in force in its slot (None: never set, the node's fixed denies only).
     egress: EgressPolicy | None = None
     exit_cause: str | None = None
+    # Its bind mounts: [source, destination, read-only].
+    mounts: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -202,6 +204,9 @@ class FakeRuntime(Runtime):
             self._failed(
                 call, RuntimeFailure(f"{image_dir} was checkpointed with another rootfs mode")
             )
+        # As with runsc: the restored sentry's mount tree is the checkpointed one.
+        if image.get("mounts", _mounts(spec)) != _mounts(spec):
+            self._failed(call, RuntimeFailure(f"{image_dir} was checkpointed with other mounts"))
         return self._launch(call, spec, image_dir, reuse)
 
     async def stop(self, inst: Instance) -> None:
@@ -238,6 +243,7 @@ class FakeRuntime(Runtime):
             "instance_id": c.id,
             "upper": c.upper is not None,
             "layers": c.layers,
+            "mounts": c.mounts,
         }
         await asyncio.to_thread(_write_image, image_dir, image)
         # As with runsc, a frozen sandbox is thawed to be checkpointed.
@@ -346,6 +352,7 @@ class FakeRuntime(Runtime):
             upper=None if spec.upper is None else str(spec.upper),
             restored_from=None if image_dir is None else str(image_dir),
             egress=spec.egress,
+            mounts=_mounts(spec),
         )
         self.host.containers[iid] = c
         return _handle(c)
@@ -377,6 +384,10 @@ def _read_image(image_dir: Path) -> dict[str, Any] | None:
     if not isinstance(image, dict) or image.get("format") != _IMAGE_FORMAT:
         return None
     return image
+
+
+def _mounts(spec: SandboxSpec) -> list[list[Any]]:
+    return [[str(m.source), m.destination, m.readonly] for m in spec.mounts]
 
 
 def _handle(c: FakeContainer) -> Instance:

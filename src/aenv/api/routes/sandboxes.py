@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Header, Query, Response
 from pydantic import BeforeValidator
 
 from aenv.config import Settings
-from aenv.domain import CreateRequest, SandboxRecord, Timings
+from aenv.domain import CreateRequest, MountRequest, SandboxRecord, Timings
 from aenv.errors import Conflict, NotFound
 from aenv.orchestrator import Orchestrator
 from aenv.orchestrator.context import check_timeout
@@ -105,6 +105,7 @@ async def _create(
         egress=network.policy(body.allow_internet_access),
         public_traffic=network.allow_public_traffic is not False,
         mask_request_host=network.mask_request_host or None,
+        volume_mounts=[MountRequest(v.name, v.path, v.read_only) for v in body.volume_mounts or []],
     )
 
     async def create() -> tuple[Sandbox, str]:
