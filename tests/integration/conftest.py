@@ -126,6 +126,11 @@ def running_server(prefix: str, cidr: str, **extra: str) -> Iterator[Server]:
         # hibernated), deepest first: `umount -R` alone does nothing, the home is no mount.
         for mount in mount_points(home):
             subprocess.run(["umount", "-l", str(mount)], check=False, capture_output=True)
+        # The server's log outlives its home, for a failure's post-mortem (CI keeps /tmp).
+        logs = Path(os.environ.get("AENV_TEST_LOGS", "/tmp/aenv-test-logs"))
+        with contextlib.suppress(OSError):
+            logs.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(home / "server.log", logs / f"{prefix}-server.log")
         shutil.rmtree(home, ignore_errors=True)
 
 
