@@ -149,9 +149,10 @@ def server() -> Iterator[Server]:
         yield srv
 
 
-@pytest.fixture(scope="session")
-def e2b_env(server: Server) -> Iterator[Server]:
-    """Point the stock E2B SDKs at the server through the environment, as a user would."""
+@contextlib.contextmanager
+def sdk_pointed_at(server: Server) -> Iterator[Server]:
+    """The stock E2B SDKs pointed at `server` through the environment, as a user would;
+    what was there before comes back afterwards."""
     saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
     os.environ.update(
         E2B_API_URL=server.url, E2B_SANDBOX_URL=server.url, E2B_API_KEY=server.api_key
@@ -164,6 +165,12 @@ def e2b_env(server: Server) -> Iterator[Server]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def e2b_env(server: Server) -> Iterator[Server]:
+    with sdk_pointed_at(server):
+        yield server
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import json
 import shutil
 import signal
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -13,7 +14,7 @@ from e2b import Sandbox
 
 from tests.helpers import wait_until
 
-from .conftest import Server
+from .conftest import Server, running_server, sdk_pointed_at
 from .helpers import sandbox_record
 
 pytestmark = pytest.mark.integration
@@ -238,7 +239,20 @@ def test_fork_reports_partial_failure(e2b_env: Server) -> None:
             c.delete(f"/sandboxes/{big['sandboxID']}")
 
 
-def test_restart_between_pause_and_resume(e2b_env: Server, sandboxes: list[object]) -> None:
+@pytest.fixture
+def own_server(e2b_env: Server) -> Iterator[Server]:
+    """A node of the test's own, for a test that kills its server with -9: on the shared
+    one, other tests' sandboxes would be cut mid-operation by the crash."""
+    with (
+        running_server("aerst", "10.229.0.0/16", AENV_HIBERNATE_AFTER="5") as srv,
+        sdk_pointed_at(srv),
+    ):
+        yield srv
+
+
+def test_restart_between_pause_and_resume(own_server: Server) -> None:
+    e2b_env = own_server
+    sandboxes: list[Sandbox] = []
     frozen = Sandbox.create(template="base", timeout=300)
     files_only = Sandbox.create(template="base", timeout=300)
     sandboxes += [frozen, files_only]
