@@ -19,8 +19,11 @@ from tests.node_harness import Harness, build
 class Crash:
     """An operation of the first node, stopped for good at a runtime call."""
 
-    def __init__(self, h: Harness, op: str, *, after: int = 0) -> None:
-        self.h, self.op, self.left = h, op, after
+    def __init__(self, h: Harness, op: str, *, after: int = 0, hung: int = 1) -> None:
+        # `hung`: how many calls must be stuck before the node "dies" — an operation with
+        # concurrent branches (fork's parent and children) is cut only once every branch is,
+        # else a branch still running would write under the second node's feet.
+        self.h, self.op, self.left, self.hung = h, op, after, hung
         self.reached = asyncio.Event()
         self._never = asyncio.Event()
         self.task: asyncio.Task[Any] | None = None
@@ -30,7 +33,9 @@ class Crash:
         if self.left > 0:
             self.left -= 1
             return
-        self.reached.set()
+        self.hung -= 1
+        if self.hung <= 0:
+            self.reached.set()
         await self._never.wait()
 
     async def during(self, coro: Coroutine[Any, Any, Any]) -> Harness:
@@ -115,8 +120,8 @@ async def back_in_use(h: Harness, sandbox_id: str) -> None:
     await h.orch.snapshot(sandbox_id)
 
 
-async def node(tmp_path: Path) -> Harness:
-    h = build(tmp_path)
+async def node(tmp_path: Path, **overrides: Any) -> Harness:
+    h = build(tmp_path, **overrides)
     await h.orch.start(timers=False)
     return h
 
@@ -189,10 +194,10 @@ async def test_snapshot_of_a_frozen_sandbox_cut_stays_paused(tmp_path: Path) -> 
 async def test_fork_cut_while_parent_and_children_restore(tmp_path: Path) -> None:
     """The other reported hole (fork at 400 ms): the parent usable, no child listed, the
     fork's own snapshot gone, no child's upper left under rw/."""
-    h = await node(tmp_path)
+    h = await node(tmp_path, boot_concurrency=4)
     r = await h.orch.create(CreateRequest())
     write_file(h, r.sandbox_id, "p.txt", "parent")
-    crash = Crash(h, "restore")  # every restore: the parent's and the children's
+    crash = Crash(h, "restore", hung=4)  # every restore: the parent's and the 3 children's
     h2 = await crash.during(h.orch.fork(r.sandbox_id, 3))
 
     async def check() -> None:
