@@ -146,6 +146,25 @@ class Processes:
                     os.kill(p, signal.SIGKILL)
             await _proc.wait_exited(pids, 5.0)
 
+    def kill_strays(self, keep: set[str]) -> int:
+        """At start-up: SIGKILLs every runsc process of this node's root that belongs to no
+        container in `keep` — e.g. a `runsc restore` a crash cut short, whose sandbox has no
+        pid in its state file yet and would otherwise spin on in a slot the node reuses.
+        Returns how many it killed."""
+        flag = f"--root={self.runsc.root}"
+        me = os.getpid()
+        killed = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == me:
+                continue
+            argv = _cmdline(int(entry))
+            if flag not in argv or any(cid in a for a in argv for cid in keep):
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry), signal.SIGKILL)
+                killed += 1
+        return killed
+
     async def kill_all(self, cids: list[str]) -> None:
         """SIGKILLs the containers' sandbox processes and waits (briefly) until they and
         their gofers are dead, so their mounts and netns can go; reaping may come later."""

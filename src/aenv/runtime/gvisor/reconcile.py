@@ -67,6 +67,9 @@ class Reconciler:
         # crash (their processes now belong to init, which reaps slowly), so it finishes in
         # the background instead of holding up the server's start.
         await self.procs.kill_all(stale)
+        strays = await asyncio.to_thread(self.procs.kill_strays, set(recovered))
+        if strays:
+            log.warning("killed %d runsc processes of no known container", strays)
         spawn(self.procs.delete_all(stale))
         # Stopped sandboxes (no container, slot kept) the catalog still knows; a container
         # left over from a failed stop was deleted just above.
