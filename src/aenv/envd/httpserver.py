@@ -18,6 +18,9 @@ MAX_HEAD = 64 * 1024
 READ_SIZE = 256 * 1024
 # An unread request body up to this size is drained to keep the connection.
 DRAIN_LIMIT = 4 * 1024 * 1024
+# An upload answered early (507, 413) is read on for this much / this long before closing.
+LINGER_LIMIT = 256 * 1024 * 1024
+LINGER_SECONDS = 10.0
 
 REASONS = {
     200: "OK",
@@ -365,6 +368,14 @@ async def _read_request(conn: Conn) -> Request | None:
     return Request(conn, method, target, version, headers)
 
 
+async def _linger(req: Request) -> None:
+    """Reads what is left of a request body answered early (a 507 mid-upload) before the
+    connection closes: closing with unread data sends a reset, which can reach the client
+    before the answer and lose it."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(req.body.drain(LINGER_LIMIT), LINGER_SECONDS)
+
+
 def _wants_keep_alive(req: Request) -> bool:
     c = req.header("connection").lower()
     if req.version == "HTTP/1.0":
@@ -398,6 +409,8 @@ async def serve_connection(
                     return
                 resp.keep_alive = resp.keep_alive and e.status < 500
                 await resp.send_error(e.status, e.message)
+                if not resp.keep_alive:
+                    await _linger(req)
             except Exception as e:  # a handler bug must not kill the server
                 log("internal error:", req.method, req.path, repr(e), level="error")
                 if resp.started:
