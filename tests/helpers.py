@@ -165,3 +165,66 @@ async def uvicorn_task(app: Any, **config: Any) -> AsyncIterator[int]:
         server.should_exit = True
         await asyncio.wait_for(task, 10)
         sock.close()
+
+
+class RedisServer:
+    """A real `redis-server` on a free loopback port, without persistence (a restart loses
+    everything, the worst case the cluster must survive); stopped by its pid."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.workdir = workdir
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = (self.workdir / "redis.log").open("ab")
+        self.proc = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+        def up() -> bool:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=1) as s,
+            ):
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+            return False
+
+        wait_until(up, 15, 0.05, "redis-server to answer")
+
+    def stop(self, sig: int = 15) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+
+@contextlib.contextmanager
+def redis_server(workdir: Path) -> Iterator[RedisServer]:
+    srv = RedisServer(workdir)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()

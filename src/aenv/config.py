@@ -16,10 +16,13 @@ List-valued image settings accept a TOML/JSON list or a comma-separated string::
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import json
 import os
 import re
 import secrets
+import socket
 import tomllib
 from functools import cache, cached_property
 from pathlib import Path
@@ -36,6 +39,28 @@ from pydantic_settings import (
 )
 
 GIB = 1 << 30
+# Nodes given an id take their slot range from here (a /19 each: 2048 slots), clear of the
+# single-node default 10.200.0.0/16.
+_NODE_NETS = ipaddress.IPv4Network("10.64.0.0/10")
+_NODE_NET_PREFIXLEN = 19
+
+
+def node_network(node_id: str) -> tuple[str, str]:
+    """The net prefix and slot range a node of this id uses unless told: stable across
+    restarts (checkpoints keep working), distinct for distinct ids with high likelihood."""
+    h = int.from_bytes(hashlib.sha256(node_id.encode()).digest()[:8], "big")
+    count = 1 << (_NODE_NET_PREFIXLEN - _NODE_NETS.prefixlen)
+    net = list(_NODE_NETS.subnets(new_prefix=_NODE_NET_PREFIXLEN))[h % count]
+    return f"an{_b36(h // count, 4)}", str(net)
+
+
+def _b36(n: int, width: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    for _ in range(width):
+        n, d = divmod(n, 36)
+        out = digits[d] + out
+    return out
 _DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
 Compression = Literal["auto", "none", "zstd"]
@@ -252,6 +277,26 @@ class Settings(BaseSettings):
     # Where `aenv template build-base` downloads Debian packages from (None: the host's mirror).
     debian_mirror: str | None = None
 
+    # cluster (docs/cluster.md): a node joins when `redis_url` is set; a gateway needs it.
+    redis_url: str | None = None
+    # This node's name in the cluster (default: the host name). Set explicitly, it also
+    # picks the node's own `net_prefix` and `net_cidr` unless those are set, so several
+    # nodes share one host without setting them.
+    node_id: str | None = None
+    # Where gateways reach this node (default: http://<host address>:<port>).
+    advertise_url: str | None = None
+    heartbeat_seconds: float = 2.0
+    # A gateway marks a node unhealthy this long after its last heartbeat.
+    node_dead_after: float = 6.0
+    # Where a gateway learns node addresses: their Redis registrations, or also the
+    # EndpointSlices of a headless Service (`kubernetes`).
+    discovery: Literal["redis", "kubernetes"] = "redis"
+    kubernetes_service: str = "aenv-node"
+    kubernetes_namespace: str | None = None
+    # The gateway's placement of creates: `least-loaded` or `module:attribute` (a class
+    # implementing `aenv.cluster.scheduler.Scheduler`).
+    scheduler: str = "least-loaded"
+
     images: ImageSettings = Field(default_factory=ImageSettings)
     snapshots: SnapshotSettings = Field(default_factory=SnapshotSettings)
 
@@ -313,6 +358,20 @@ class Settings(BaseSettings):
     def _unset_if_empty(cls, value: Any) -> Any:
         # `AENV_TLS_CERT=` (empty) means unset, not the current directory.
         return None if value == "" else value
+
+    @model_validator(mode="after")
+    def _node_network(self) -> Settings:
+        if self.node_id is not None:
+            derived = node_network(self.node_id)
+            if "net_prefix" not in self.model_fields_set:
+                self.net_prefix = derived[0]
+            if "net_cidr" not in self.model_fields_set:
+                self.net_cidr = derived[1]
+        return self
+
+    @property
+    def cluster_node_id(self) -> str:
+        return self.node_id or socket.gethostname().split(".")[0] or "aenv"
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:

@@ -93,6 +93,9 @@ class PausedState:
     paused_at: datetime
     # The memory image of a hibernated sandbox (its name in the node's image store).
     image: str | None = None
+    # The hibernation (files, image and record) is in the repository: with a shared one,
+    # another node can resume the sandbox (cluster failover, drain).
+    published: bool = False
 
 
 @dataclass

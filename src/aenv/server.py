@@ -7,6 +7,7 @@ import ssl
 import sys
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from .config import Settings
 from .errors import AenvError
@@ -66,7 +67,6 @@ def check_tls(settings: Settings) -> None:
 
 def serve(settings: Settings) -> None:
     from .api.app import create_app
-    from .proxy.ws import SERVER_OPTIONS as WS_SERVER_OPTIONS
 
     configure_logging(settings.log_format)
     # Every envd health probe would be an INFO line.
@@ -74,7 +74,15 @@ def serve(settings: Settings) -> None:
     check_tls(settings)
     orch = build_orchestrator(settings)
     app = create_app(settings, orch)
-    config = uvicorn.Config(
+    print(f"aenv: serving on {settings.url} (home {settings.home})", file=sys.stderr)
+    uvicorn.Server(uvicorn_config(app, settings)).run()
+
+
+def uvicorn_config(app: ASGIApp, settings: Settings) -> uvicorn.Config:
+    """How a node and a gateway serve their one port."""
+    from .proxy.ws import SERVER_OPTIONS as WS_SERVER_OPTIONS
+
+    return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -89,5 +97,3 @@ def serve(settings: Settings) -> None:
         ssl_keyfile=settings.tls_key,
         **WS_SERVER_OPTIONS,
     )
-    print(f"aenv: serving on {settings.url} (home {settings.home})", file=sys.stderr)
-    uvicorn.Server(config).run()

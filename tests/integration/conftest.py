@@ -84,9 +84,10 @@ def _wipe_runtime(env: dict[str, str]) -> None:
 
 
 @contextlib.contextmanager
-def running_server(prefix: str, cidr: str, **extra: str) -> Iterator[Server]:
-    """A real node in a temp AENV_HOME with its own net prefix and address range; on exit
-    its sandboxes are killed, the server stopped and every host trace removed."""
+def running_server(prefix: str, cidr: str | None, **extra: str) -> Iterator[Server]:
+    """A real node in a temp AENV_HOME with its own net prefix and address range (`cidr`
+    None: both left to the node, which derives them from its AENV_NODE_ID); on exit its
+    sandboxes are killed, the server stopped and every host trace removed."""
     if os.geteuid() != 0 or not shutil.which("runsc"):
         pytest.skip("integration tests need root and runsc (run `make test`)")
     home = Path(tempfile.mkdtemp(prefix=f"aenv-{prefix}-"))
@@ -97,10 +98,10 @@ def running_server(prefix: str, cidr: str, **extra: str) -> Iterator[Server]:
         AENV_HOME=str(home),
         AENV_LISTEN=f"127.0.0.1:{port}",
         AENV_API_KEY="e2b_integration_" + os.urandom(8).hex(),
-        AENV_NET_PREFIX=prefix,
-        AENV_NET_CIDR=cidr,
         AENV_NET_POOL_SIZE="2",
     )
+    if cidr is not None:
+        env.update(AENV_NET_PREFIX=prefix, AENV_NET_CIDR=cidr)
     env.update(extra)
     scheme = "https" if env.get("AENV_TLS_CERT") else "http"
     srv = Server(

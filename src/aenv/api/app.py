@@ -23,7 +23,17 @@ from aenv.proxy.dispatch import SandboxRouter
 from .errors import install_error_handlers
 from .idempotency import IdempotencyCache
 from .limits import BodyLimit
-from .routes import builds, health, images, observability, sandboxes, snapshots, tags, volumes
+from .routes import (
+    builds,
+    cluster,
+    health,
+    images,
+    observability,
+    sandboxes,
+    snapshots,
+    tags,
+    volumes,
+)
 
 
 def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAPI:
@@ -38,9 +48,18 @@ def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAP
                 file=sys.stderr,
             )
         await orchestrator.start()
+        agent = None
+        if settings.redis_url:
+            from aenv.cluster.agent import NodeAgent
+            from aenv.cluster.state import ClusterState
+
+            agent = NodeAgent(settings, orchestrator, ClusterState(settings.redis_url))
+            await agent.start()
         try:
             yield
         finally:
+            if agent is not None:
+                await agent.close()
             await orchestrator.close()
 
     app = FastAPI(
@@ -69,6 +88,7 @@ def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAP
     app.include_router(snapshots.router)
     app.include_router(volumes.router)
     app.include_router(volumes.content_router)
+    app.include_router(cluster.router)
     return app
 
 

@@ -85,9 +85,13 @@ class ControlPlane:
         json: Any = None,
         params: Mapping[str, str] | None = None,
         ok: Iterable[int] = (200,),
+        timeout: float | None = None,
     ) -> httpx.Response:
+        """`timeout`: seconds to wait for the answer, for calls known to take long (the
+        client's default otherwise)."""
+        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         try:
-            resp = self._http.request(method, path, json=json, params=params)
+            resp = self._http.request(method, path, json=json, params=params, **extra)
         except httpx.TransportError as exc:
             raise transport_error(self.url, exc) from None
         if resp.status_code in set(ok):

@@ -15,7 +15,7 @@ from typer.core import TyperGroup
 
 from .. import __version__
 from ..errors import AenvError
-from . import keys, sandboxes, snapshots, templates, volumes
+from . import keys, nodes, sandboxes, snapshots, templates, volumes
 from .bench import bench
 from .errors import CliError, one_line
 from .state import CliState, state_of
@@ -57,6 +57,7 @@ snapshot_app = typer.Typer(
 volume_app = typer.Typer(
     help="Volumes: named directories sandboxes mount (E2B's Volume).", no_args_is_help=True
 )
+node_app = typer.Typer(help="Nodes of a cluster (through a gateway).", no_args_is_help=True)
 keys_app = typer.Typer(
     help="API keys of this node (run on the node host; no server needed).", no_args_is_help=True
 )
@@ -119,9 +120,30 @@ def server(
     serve(settings)
 
 
+def gateway(
+    ctx: typer.Context,
+    listen: Annotated[
+        str | None,
+        typer.Option(
+            "--listen",
+            metavar="HOST:PORT",
+            help="Listen address (default: $AENV_LISTEN or 127.0.0.1:8000).",
+        ),
+    ] = None,
+) -> None:
+    """Run a gateway: the same API in front of the nodes of a cluster (needs AENV_REDIS_URL)."""
+    settings = state_of(ctx).settings()
+    if listen:
+        settings = settings.model_copy(update={"listen": listen})
+    from ..cluster.serve import serve_gateway
+
+    serve_gateway(settings)
+
+
 app.command("fork")(snapshots.fork)
 app.command("bench")(bench)
 app.command("server")(server)
+app.command("gateway")(gateway)
 app.command("start")(sandboxes.start)
 app.command("connect")(sandboxes.connect_)
 app.command("exec")(sandboxes.exec_)
@@ -150,6 +172,11 @@ volume_app.command("ls")(volumes.volume_ls)
 volume_app.command("rm")(volumes.volume_rm)
 volume_app.command("files")(volumes.volume_files)
 volume_app.command("cp")(volumes.volume_cp)
+
+app.add_typer(node_app, name="node")
+node_app.command("ls")(nodes.node_ls)
+node_app.command("drain")(nodes.node_drain)
+node_app.command("undrain")(nodes.node_undrain)
 
 app.add_typer(keys_app, name="keys")
 keys_app.command("create")(keys.keys_create)

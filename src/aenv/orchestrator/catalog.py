@@ -47,7 +47,7 @@ CREATE TABLE IF NOT EXISTS template_names (
 """
 
 
-def _record_to_doc(r: SandboxRecord) -> str:
+def record_to_json(r: SandboxRecord) -> str:
     d = asdict(r)
     d["started_at"] = r.started_at.isoformat()
     d["end_at"] = r.end_at.isoformat()
@@ -57,11 +57,12 @@ def _record_to_doc(r: SandboxRecord) -> str:
             "tier": r.paused.tier.value,
             "paused_at": r.paused.paused_at.isoformat(),
             "image": r.paused.image,
+            "published": r.paused.published,
         }
     return json.dumps(d)
 
 
-def _doc_to_record(doc: str) -> SandboxRecord:
+def record_from_json(doc: str) -> SandboxRecord:
     d = json.loads(doc)
     d["started_at"] = datetime.fromisoformat(d["started_at"])
     d["end_at"] = datetime.fromisoformat(d["end_at"])
@@ -84,6 +85,7 @@ def _doc_to_record(doc: str) -> SandboxRecord:
             tier=PauseTier(p["tier"]),
             paused_at=datetime.fromisoformat(p["paused_at"]),
             image=p.get("image"),
+            published=bool(p.get("published")),
         )
     if d.get("pending") is not None:
         d["pending"] = PendingOp(**d["pending"])
@@ -122,14 +124,14 @@ class Catalog:
         self._run(
             "INSERT INTO sandboxes(id, state, doc) VALUES(?,?,?) "
             "ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc",
-            (r.sandbox_id, r.state.value, _record_to_doc(r)),
+            (r.sandbox_id, r.state.value, record_to_json(r)),
         )
 
     def delete_sandbox(self, sandbox_id: str) -> None:
         self._run("DELETE FROM sandboxes WHERE id=?", (sandbox_id,))
 
     def sandboxes(self) -> list[SandboxRecord]:
-        return [_doc_to_record(doc) for (doc,) in self._run("SELECT doc FROM sandboxes")]
+        return [record_from_json(doc) for (doc,) in self._run("SELECT doc FROM sandboxes")]
 
     # --- templates: documents with an id and any number of unique names ---
     def put_template(self, t: TemplateRecord, *, exact_names: bool = False) -> None:

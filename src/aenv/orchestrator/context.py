@@ -27,6 +27,8 @@ class NodeContext:
     clock: Clock = utcnow
     # Set once the node shuts down: nothing speculative starts any more.
     closing: bool = False
+    # Set by a drain (cluster): no new sandboxes; the node reports `draining`.
+    draining: bool = False
     # Tells this run of the node from earlier ones (boot snapshots are made anew each run).
     run_id: str = field(default_factory=lambda: secrets.token_hex(8))
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)

@@ -46,13 +46,22 @@ class Durable:
 
     async def start(self) -> None:
         await asyncio.to_thread(self.store.clean_staging)
+        await self.learn()
+
+    async def learn(self, id_or_name: str | None = None) -> bool:
+        """Registers the templates and snapshots of the repository the catalog does not know
+        yet (made by another node, or before this catalog): all, or only the one of this id
+        or name. Whether any was."""
         try:
             manifests = await self.store.list()
         except Exception as e:
             log.warning("the snapshot repository could not be listed: %s", e)
-            return
+            return False
+        learned = False
         for m in manifests:
             if m.kind not in ("snapshot", "template"):
+                continue
+            if id_or_name is not None and id_or_name != m.id and id_or_name not in m.names:
                 continue
             if await asyncio.to_thread(self.catalog.template, m.id) is not None:
                 continue
@@ -64,6 +73,18 @@ class Durable:
             await asyncio.to_thread(self.catalog.put_template, rec)
             await asyncio.to_thread(self.storage.hold, "template", m.id, m.layer_digests)
             log.info("template %s registered from the repository", m.id)
+            learned = True
+        return learned
+
+    async def record(self, manifest_id: str) -> TemplateRecord:
+        """The template document a manifest carries (a hibernation's, for another node)."""
+        m = await self.store.get(manifest_id)
+        doc = dict((m.spec.model_extra or {}).get("doc") or {})
+        if not doc:
+            raise SnapshotNotFound(manifest_id)
+        rec = TemplateRecord.from_doc(m.id, doc, m.names)
+        rec.published = True
+        return rec
 
     async def close(self) -> None:
         if self._publishing:

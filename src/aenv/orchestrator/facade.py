@@ -15,6 +15,7 @@ It composes the parts, each with one job, and only delegates:
     SandboxLogs     node events + envd's journal per sandbox      (logs.py)
     NodeStats       node view, operation counters, Prometheus     (nodeinfo.py)
     VolumeStore     volumes and their files                       (aenv.volumes)
+    Mover           drain, release, adopt (cluster)               (moving.py)
 Parts call down or sideways to parts built before them, never back up to this facade."""
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from ..domain import (
     Upstream,
 )
 from ..envd.files import file_signature
-from ..errors import BadRequest, Conflict
+from ..errors import BadRequest, Conflict, Unavailable
 from ..images.cache import holder
 from ..images.pull import PulledImage, pull
 from ..runtime.base import Runtime
@@ -59,6 +60,7 @@ from .fork import Forker, ForkResult
 from .liveness import Liveness
 from .logs import LogEntry, SandboxLogs
 from .metrics import SAMPLE_SECONDS, MetricSample, SandboxMetrics
+from .moving import DrainResult, Mover
 from .node import Node
 from .nodeinfo import NodeInfo, NodeStats
 from .pausing import Pauser
@@ -123,8 +125,10 @@ class Orchestrator:
         self._metrics = SandboxMetrics(ctx, table, runtime, storage)
         self._logs = SandboxLogs(table, envd)
         self._stats = NodeStats(
-            table, settings.home, lambda: ctx.closing, self._cache_sizes(durable)
+            table, settings.home, lambda: ctx.closing or ctx.draining, self._cache_sizes(durable)
         )
+        self._stats.node_id = settings.cluster_node_id
+        self._mover = Mover(ctx, table, booter, pauser, templates, storage)
         self._stats.service_instance_id = ctx.run_id
         self._sampler: asyncio.Task[None] | None = None
 
@@ -176,6 +180,8 @@ class Orchestrator:
         return self._table.list(metadata=metadata, states=states, template=template)
 
     async def create(self, req: CreateRequest, timings: Timings | None = None) -> SandboxRecord:
+        if self._ctx.draining:
+            raise Unavailable("this node is draining: it takes no new sandboxes")
         with self._stats.observe("create"):
             r = await self._sandboxes.create(req, timings)
         self._logs.note(
@@ -368,6 +374,19 @@ class Orchestrator:
             return out
 
         return sizes
+
+    # ------------------------------------------------------------------ cluster moves
+    async def drain(self) -> builtins.list[DrainResult]:
+        return await self._mover.drain()
+
+    def undrain(self) -> None:
+        self._mover.undrain()
+
+    async def release(self, sandbox_id: str) -> str:
+        return await self._mover.release(sandbox_id)
+
+    async def adopt(self, sandbox_id: str, image: str) -> SandboxRecord:
+        return await self._mover.adopt(sandbox_id, image)
 
     # ------------------------------------------------------------------ templates
     async def template(self, id_or_name: str) -> TemplateRecord:

@@ -141,8 +141,9 @@ class NodeStats:
 
     # ---------------------------------------------------------------- the node view
     def status(self) -> tuple[str, datetime]:
-        if self.is_closing() and self._status[0] != "draining":
-            self._status = ("draining", datetime.now(UTC))
+        want = "draining" if self.is_closing() else "ready"
+        if self._status[0] != want:
+            self._status = (want, datetime.now(UTC))
         return self._status
 
     def info(self, *, with_sandboxes: bool = False) -> NodeInfo:

@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from .. import crashpoint
@@ -36,6 +37,7 @@ from ..domain import (
 from ..errors import Conflict, Forbidden, SandboxNotFound, Unavailable
 from ..runtime.base import Runtime
 from .boot import Booter
+from .catalog import record_to_json
 from .context import NodeContext, check_timeout
 from .table import SandboxTable
 from .templates import TemplateRegistry
@@ -44,6 +46,8 @@ log = logging.getLogger("aenv.orchestrator")
 
 # Seconds a hibernated sandbox stays on the node's disk only before it is published.
 PUBLISH_HIBERNATION_AFTER = 5.0
+# Where a hibernation's template document keeps the sandbox's own record.
+SANDBOX_RECORD = "sandbox_record"
 # Seconds a strict pause (E2B `requireHealthyGuest`) waits for envd's health check.
 GUEST_CHECK_TIMEOUT = 2.0
 
@@ -55,6 +59,7 @@ class Pauser:
     booter: Booter
     runtime: Runtime
     templates: TemplateRegistry
+    _publishing: dict[str, asyncio.Task[bool]] = field(default_factory=dict, init=False)
 
     # ------------------------------------------------------------------ pause
     async def pause(
@@ -170,26 +175,61 @@ class Pauser:
             self.ctx.spawn(self._publish_hibernation(r.sandbox_id, name))
         log.info("sandbox %s hibernated", r.sandbox_id)
 
-    async def _publish_hibernation(self, sandbox_id: str, image: str) -> None:
+    async def _publish_hibernation(
+        self, sandbox_id: str, image: str, delay: float = PUBLISH_HIBERNATION_AFTER
+    ) -> bool:
+        """Publishes a hibernated sandbox; whether it is in the repository afterwards."""
         # Not at once: a sandbox resumed within seconds (the common case for an agent) is
         # never published, and the publish does not take CPU from that resume.
-        await asyncio.sleep(PUBLISH_HIBERNATION_AFTER)
+        await asyncio.sleep(delay)
+        task = self._publishing.get(image)
+        if task is None:  # one publish per image, however many ask (timer, drain)
+            task = asyncio.ensure_future(self._publish_once(sandbox_id, image))
+            self._publishing[image] = task
+            task.add_done_callback(lambda _t: self._publishing.pop(image, None))
+        return await asyncio.shield(task)
+
+    async def _publish_once(self, sandbox_id: str, image: str) -> bool:
         async with self.table.lock(sandbox_id):
             r = self.table.find(sandbox_id)
             if r is None or r.paused is None or r.paused.image != image:
-                return
+                return False
+            if r.paused.published:
+                return True
             task = self.templates.publish(self._hibernation_record(r, image))
         if task is None:
-            return
+            return False
         (ok,) = await asyncio.gather(task, return_exceptions=True)
         if ok is not True:
-            return  # failed (logged) or cancelled by a resume/kill: the local copy stays
+            return False  # failed (logged) or cancelled by a resume/kill: the local copy stays
         async with self.table.lock(sandbox_id):
             still = self.table.find(sandbox_id)
-            if still is not None and still.paused is not None and still.paused.image == image:
-                await self.templates.hand_over(image)
+            if still is None or still.paused is None or still.paused.image != image:
+                return False
+            await self.templates.hand_over(image)
+            still.paused.published = True
+            await self.table.save(still)
+        return True
+
+    async def publish_now(self, sandbox_id: str) -> bool:
+        """Hibernates (a running sandbox is paused first) and publishes a sandbox at once,
+        so another node can resume it (drain). Whether it is in the repository now."""
+        r = self.table.get(sandbox_id)
+        if r.state is SandboxState.RUNNING:
+            await self.pause(sandbox_id)
+            r = self.table.get(sandbox_id)
+        if r.state is SandboxState.PAUSED and r.tier is PauseTier.FROZEN:
+            await self.hibernate(sandbox_id)
+            r = self.table.get(sandbox_id)
+        if r.tier is not PauseTier.HIBERNATED or r.paused is None or r.paused.image is None:
+            return False
+        return await self._publish_hibernation(sandbox_id, r.paused.image, delay=0)
 
     def _hibernation_record(self, r: SandboxRecord, image: str) -> TemplateRecord:
+        # The sandbox's own record rides along (with its tokens: the repository is as
+        # private as the catalog), so another node can take the sandbox over.
+        portable = json.loads(record_to_json(r))
+        portable.update(instance=None, pending=None, upper=None)
         return TemplateRecord(
             template_id=image,
             kind=TemplateKind.HIBERNATION,
@@ -203,6 +243,8 @@ class Pauser:
             cpu_count=r.cpu_count,
             memory_mb=r.memory_mb,
             created_at=self.ctx.now().isoformat(),
+            volume_mounts=list(r.volume_mounts),
+            extra={SANDBOX_RECORD: portable},
         )
 
     # ------------------------------------------------------------------ resume

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..domain import TemplateKind, TemplateRecord
 from ..errors import NotFound
+from ..snapshots.errors import SnapshotNotFound
 from .catalog import Catalog
 from .durable import Durable
 from .storage import SandboxStorage
@@ -48,6 +49,8 @@ class TemplateRegistry:
 
     async def get(self, id_or_name: str) -> TemplateRecord:
         found = await self.find(id_or_name)
+        if found is None and self.durable is not None and await self.durable.learn(id_or_name):
+            found = await self.find(id_or_name)  # another node built it
         if found is None:
             name, sep, tag = id_or_name.rpartition(":")
             if sep and name and tag and "/" not in tag:
@@ -155,6 +158,15 @@ class TemplateRegistry:
         if not self._complete(image):
             raise NotFound(f"the memory image of {what} is missing")
         yield image
+
+    async def hibernation(self, name: str) -> TemplateRecord:
+        """A hibernation's record from the repository (another node's sandbox)."""
+        if self.durable is None:
+            raise NotFound("this node has no snapshot repository")
+        try:
+            return await self.durable.record(name)
+        except SnapshotNotFound as e:
+            raise NotFound(f"hibernation {name!r} is not in the repository") from e
 
     def publish(self, rec: TemplateRecord) -> asyncio.Task[bool] | None:
         """Publishes a record that is not in the catalog (a hibernation); None without a

@@ -280,10 +280,19 @@ class SandboxRouter:
             await self._error(scope, send, err.status, err.to_json())
             return
 
+        target = self.target(route, scope, upstream)
+        if scope["type"] == "http":
+            await self.http.forward(scope, receive, send, target)
+        else:
+            await self.ws.forward(scope, receive, send, target)
+
+    def target(self, route: Route, scope: Scope, upstream: Upstream) -> Target:
+        """What of the request goes where (an extension point: a gateway in front of nodes
+        keeps the routing headers, for the node to route by)."""
         raw_path: bytes = scope.get("raw_path") or quote(scope["path"]).encode()
         if route.strip_proxy_prefix:
             raw_path = raw_path[len(b"/proxy") :] or b"/"
-        target = Target(
+        return Target(
             sandbox_id=route.sandbox_id,
             sandbox_port=route.port,
             host=upstream.host,
@@ -292,10 +301,6 @@ class SandboxRouter:
             query=scope.get("query_string", b""),
             headers=_forwarded_headers(scope["headers"], upstream.host_header),
         )
-        if scope["type"] == "http":
-            await self.http.forward(scope, receive, send, target)
-        else:
-            await self.ws.forward(scope, receive, send, target)
 
     @staticmethod
     async def _error(scope: Scope, send: Send, status: int, payload: dict[str, object]) -> None:

@@ -1,0 +1,142 @@
+"""The node's side of the cluster: a heartbeat every `heartbeat_seconds` that rewrites the
+node's registration (capacity, usage, status, the templates it holds) and roster in Redis.
+Redis being away is logged once and survived: the next heartbeat that gets through writes
+everything again. At its first heartbeat the node also gives up the hibernated sandboxes
+another node took over while it was away (their binding names that node)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+
+from .. import __version__
+from ..config import Settings
+from ..domain import SandboxRecord, SandboxState
+from ..orchestrator import Orchestrator
+from .records import NodeRecord, RosterEntry
+from .state import ClusterState
+
+log = logging.getLogger("aenv.cluster")
+MIB = 1024 * 1024
+
+
+def advertise_url(settings: Settings) -> str:
+    """Where gateways reach this node: AENV_ADVERTISE_URL, else its listener's address (the
+    host's own address when it listens on all of them)."""
+    if settings.advertise_url:
+        return settings.advertise_url.rstrip("/")
+    host = settings.host
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            host = "127.0.0.1"
+    return f"{settings.scheme}://{host}:{settings.port}"
+
+
+def roster_entry(r: SandboxRecord) -> RosterEntry:
+    p = r.paused
+    movable = r.tier is not None and p is not None and p.published and p.image
+    return RosterEntry(
+        state="paused" if r.state is SandboxState.PAUSED else "running",
+        tier=None if r.tier is None else r.tier.value,
+        image=p.image if movable and p is not None else None,
+        template_id=r.template_id,
+        started_at=r.started_at.isoformat(),
+    )
+
+
+class NodeAgent:
+    def __init__(self, settings: Settings, orchestrator: Orchestrator, state: ClusterState):
+        self.settings = settings
+        self.orch = orchestrator
+        self.state = state
+        self.node_id = settings.cluster_node_id
+        self.url = advertise_url(settings)
+        self.started_at = time.time()
+        self._previous: set[str] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._failing = False
+
+    async def start(self) -> None:
+        await self._give_up_moved()
+        await self.beat()
+        self._task = asyncio.create_task(self._loop(), name="aenv-heartbeat")
+        log.info("node %s joined the cluster at %s as %s", self.node_id, self.state.url, self.url)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(Exception):
+            await self.beat(status="draining")  # going away: no new creates meanwhile
+        await self.state.close()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_seconds)
+            await self.beat()
+
+    async def record(self, status: str | None = None) -> NodeRecord:
+        info = await self.orch.node_info()
+        held = []
+        for t in await self.orch.templates():
+            if t.internal or not all(self.orch.has_layer(d) for d in t.layers):
+                continue
+            held.append(t.template_id)
+            held.extend(t.names)
+        return NodeRecord(
+            node_id=self.node_id,
+            url=self.url,
+            status="draining" if (status or info.status) == "draining" else "ready",
+            started_at=self.started_at,
+            version=__version__,
+            cpu_count=info.cpu_count,
+            memory_total_mb=info.memory_total_bytes // MIB,
+            memory_budget_mb=info.memory_budget_bytes // MIB,
+            allocated_cpu=info.allocated_cpu,
+            allocated_memory_mb=info.allocated_memory_bytes // MIB,
+            sandboxes=sum(
+                info.counts.get(s.value, 0) for s in (SandboxState.RUNNING, SandboxState.PAUSED)
+            ),
+            running=info.running,
+            templates=sorted(set(held)),
+        )
+
+    async def beat(self, status: str | None = None) -> None:
+        try:
+            node = await self.record(status)
+            roster = {r.sandbox_id: roster_entry(r) for r in self.orch.list()}
+            self._previous = await self.state.heartbeat(node, roster, self._previous)
+        except Exception as e:
+            self._previous = None  # whatever Redis lost, the next heartbeat writes again
+            if not self._failing:
+                log.warning("heartbeat to %s failed: %s", self.state.url, e)
+            self._failing = True
+            return
+        if self._failing:
+            log.info("heartbeats to %s go through again", self.state.url)
+        self._failing = False
+
+    async def _give_up_moved(self) -> None:
+        for r in self.orch.list():
+            try:
+                owner = await self.state.binding(r.sandbox_id)
+            except Exception as e:
+                log.warning("cannot read the cluster's bindings: %s", e)
+                return
+            if owner is None or owner == self.node_id:
+                continue
+            if await self.state.roster_entry(owner, r.sandbox_id) is None:
+                continue
+            try:
+                await self.orch.release(r.sandbox_id)
+                log.info(
+                    "sandbox %s moved to node %s while this node was away", r.sandbox_id, owner
+                )
+            except Exception as e:
+                log.warning("sandbox %s is also on node %s: %s", r.sandbox_id, owner, e)

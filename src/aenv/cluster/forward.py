@@ -1,0 +1,123 @@
+"""The gateway's HTTP client to nodes for the control plane: a request passed on as it came
+(streamed both ways, the client's Host and key kept, so URLs a node builds point back at the
+gateway and the node authenticates the caller), or a call of the gateway's own."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import httpx
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from ..errors import AenvError, BadGateway
+from ..proxy._common import HOP_BY_HOP
+from .records import NodeRecord
+
+log = logging.getLogger("aenv.cluster")
+
+# Long operations (a fork of many children, a drain, a template build's upload) take minutes.
+TIMEOUT = httpx.Timeout(connect=5.0, read=900.0, write=900.0, pool=10.0)
+_DROP = HOP_BY_HOP | {b"content-length", b"host"}
+
+
+class NodeUnreachable(BadGateway):
+    def __init__(self, node: NodeRecord, error: Exception) -> None:
+        super().__init__(f"node {node.node_id!r} ({node.url}) is unreachable: {error!r}")
+        self.node_id = node.node_id
+
+
+class NodeError(AenvError):
+    """A node's own error answer to a call of the gateway, kept as it was."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(str(body.get("message") or f"node answered {status}"))
+        self.status = status
+        self.body = body
+
+    def to_json(self) -> dict[str, object]:
+        return dict(self.body)
+
+
+class NodeClient:
+    def __init__(self) -> None:
+        self.http = httpx.AsyncClient(
+            timeout=TIMEOUT, limits=httpx.Limits(max_connections=512), follow_redirects=False
+        )
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    @staticmethod
+    def _headers(request: Request) -> list[tuple[bytes, bytes]]:
+        out = [(k, v) for k, v in request.headers.raw if k.lower() not in _DROP]
+        host = request.headers.get("host")
+        if host:
+            # The node builds absolute URLs (upload links) from it: they lead back here.
+            out.append((b"x-forwarded-host", host.encode("latin-1")))
+            out.append((b"host", host.encode("latin-1")))
+        return out
+
+    async def forward(
+        self, request: Request, node: NodeRecord, *, body: bytes | None = None
+    ) -> Response:
+        """Passes the request to the node and its answer back, streaming."""
+        url = httpx.URL(node.url + request.url.path, query=request.url.query.encode())
+        content: Any = body if body is not None else request.stream()
+        req = self.http.build_request(
+            request.method, url, headers=self._headers(request), content=content
+        )
+        try:
+            resp = await self.http.send(req, stream=True)
+        except httpx.TransportError as e:
+            raise NodeUnreachable(node, e) from e
+        headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in HOP_BY_HOP]
+        out = StreamingResponse(
+            resp.aiter_raw(), status_code=resp.status_code, background=BackgroundTask(resp.aclose)
+        )
+        out.raw_headers = headers
+        return out
+
+    async def send(
+        self, request: Request, node: NodeRecord, *, body: bytes | None = None
+    ) -> httpx.Response:
+        """Passes the request on and reads the whole answer (for answers the gateway reads
+        or merges)."""
+        url = httpx.URL(node.url + request.url.path, query=request.url.query.encode())
+        try:
+            return await self.http.request(
+                request.method,
+                url,
+                headers=self._headers(request),
+                content=body if body is not None else await request.body(),
+            )
+        except httpx.TransportError as e:
+            raise NodeUnreachable(node, e) from e
+
+    async def call(
+        self,
+        node: NodeRecord,
+        method: str,
+        path: str,
+        *,
+        api_key: str | None,
+        body: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """A call of the gateway's own (moves, drains), with the caller's key."""
+        headers = {"x-api-key": api_key} if api_key else {}
+        try:
+            resp = await self.http.request(
+                method, node.url + path, headers=headers, json=body if body is not None else None
+            )
+        except httpx.TransportError as e:
+            raise NodeUnreachable(node, e) from e
+        try:
+            doc = resp.json()
+        except json.JSONDecodeError:
+            doc = {"code": resp.status_code, "message": resp.text[:500]}
+        if resp.status_code >= 400:
+            raise NodeError(resp.status_code, doc if isinstance(doc, dict) else {"message": doc})
+        return doc if isinstance(doc, dict) else {"items": doc}

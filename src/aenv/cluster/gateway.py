@@ -1,0 +1,401 @@
+"""`aenv gateway`: one port in front of many nodes, E2B-compatible, holding no state of its
+own (it is all in Redis), so any number of gateways serve one cluster.
+
+Control plane: a create goes where the scheduler places it (a node that turns it down is
+skipped), a request about a sandbox, template build or snapshot to the node that holds it,
+listings of sandboxes, snapshots, templates and nodes are merged across nodes (one cursor
+pages through all of them: node cursors are positions, not offsets), anything else to one
+healthy node. Data plane: the node's own router, by sandbox id, streams passed through."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+from urllib.parse import urlsplit
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp
+
+from ..config import Settings
+from ..domain import Upstream
+from ..errors import AenvError, BadRequest, NotFound, SandboxNotFound
+from ..proxy._common import ROUTING_HEADERS, Scope, Target
+from ..proxy.dispatch import Route as SandboxRoute
+from ..proxy.dispatch import SandboxRouter
+from .aggregate import merge_pages, node_view
+from .directory import Directory
+from .forward import NodeClient, NodeError
+from .records import NodeRecord
+from .scheduler import Placement, Scheduler, load_scheduler
+from .state import ClusterState
+
+log = logging.getLogger("aenv.cluster")
+
+_SANDBOX = re.compile(r"^/(?:v\d+/)?sandboxes/([A-Za-z0-9][A-Za-z0-9_-]*)(/.*)?$")
+_TEMPLATE = re.compile(r"^/(?:v\d+/)?templates/([^/]+)(/.*)?$")
+_SNAPSHOT = re.compile(r"^/snapshots/([^/]+)$")
+_NODE = re.compile(r"^/nodes/([^/]+)$")
+_BUILD_FILES = re.compile(r"^/build-files/([^/]+)$")
+_FILES_LINK = re.compile(r"^/templates/([^/]+)/files/([^/]+)$")
+_BUILD_REQUESTS = ("/templates", "/v2/templates", "/v3/templates")
+_RESUMES = ("/connect", "/resume")
+# A create a node turns down (full, draining) is tried on this many others.
+CREATE_TRIES = 3
+
+
+class Gateway:
+    def __init__(
+        self,
+        settings: Settings,
+        state: ClusterState,
+        directory: Directory,
+        nodes: NodeClient,
+        scheduler: Scheduler,
+    ) -> None:
+        self.settings = settings
+        self.state = state
+        self.directory = directory
+        self.nodes = nodes
+        self.scheduler = scheduler
+
+    # ------------------------------------------------------------------ entry
+    async def handle(self, request: Request) -> Response:
+        try:
+            return await self._route(request)
+        except AenvError as e:
+            return JSONResponse(e.to_json(), status_code=e.status)
+
+    async def _route(self, request: Request) -> Response:
+        path, method = request.url.path, request.method
+        if path == "/health":
+            return JSONResponse({"status": "ok", "role": "gateway"})
+        if method == "GET" and path in ("/sandboxes", "/v2/sandboxes"):
+            return await self._merged(request, "startedAt", "sandboxID", order_default="desc")
+        if method == "POST" and path in ("/sandboxes", "/v2/sandboxes", "/sandboxes-cold"):
+            return await self._create(request)
+        if method == "GET" and path == "/sandboxes/metrics":
+            return await self._merged_metrics(request)
+        if m := _SANDBOX.match(path):
+            return await self._sandbox(request, m.group(1), m.group(2) or "")
+        if method == "GET" and path == "/snapshots":
+            return await self._merged(request, "createdAt", "snapshotID")
+        if method == "GET" and path in ("/templates", "/v2/templates"):
+            return await self._merged(request, "createdAt", "templateID")
+        if method == "POST" and path in _BUILD_REQUESTS:
+            return await self._build_request(request)
+        if path == "/nodes" and method == "GET":
+            return await self._nodes()
+        if m := _NODE.match(path):
+            return await self._node(request, m.group(1))
+        if m := _FILES_LINK.match(path):
+            return await self._files_link(request, m.group(1), m.group(2))
+        if m := _BUILD_FILES.match(path):
+            node = await self._node_of_files(m.group(1))
+            return await self.nodes.forward(request, node)
+        if m := _TEMPLATE.match(path):
+            return await self._template(request, m.group(1))
+        if m := _SNAPSHOT.match(path):
+            return await self._template(request, m.group(1))
+        return await self.nodes.forward(request, await self.directory.any_node())
+
+    # ------------------------------------------------------------------ sandboxes
+    async def _create(self, request: Request) -> Response:
+        body = await request.body()
+        doc = _json(body)
+        place = Placement(
+            template_id=str(doc.get("templateID") or doc.get("image") or "base"),
+            cpu_count=int(doc.get("cpuCount") or self.settings.default_cpu_count),
+            memory_mb=int(doc.get("memoryMB") or self.settings.default_memory_mb),
+        )
+        tried: set[str] = set()
+        last: Response | None = None
+        for _ in range(CREATE_TRIES):
+            nodes = [n for n in await self.directory.schedulable() if n.node_id not in tried]
+            if not nodes:
+                break
+            preferred = await self.state.template_node(place.template_id)
+            node = next((n for n in nodes if n.node_id == preferred and last), None)
+            node = node or self.scheduler.place(place, nodes)
+            tried.add(node.node_id)
+            resp = await self.nodes.send(request, node, body=body)
+            if resp.status_code < 400:
+                sandbox_id = _json(resp.content).get("sandboxID")
+                if isinstance(sandbox_id, str):
+                    await self.directory.bind(sandbox_id, node.node_id)
+                return _plain(resp)
+            last = _plain(resp)
+            # Full, draining, or a template only another node has yet: try another node.
+            if resp.status_code not in (404, 409, 429, 503, 507):
+                return last
+        if last is not None:
+            return last
+        return JSONResponse({"code": 503, "message": "no node is ready to take sandboxes"}, 503)
+
+    async def _sandbox(self, request: Request, sandbox_id: str, rest: str) -> Response:
+        resume = request.method == "POST" and rest in _RESUMES
+        node = await self.directory.usable(sandbox_id, self._release, self._adopt, resume=resume)
+        if request.method == "POST" and rest == "/fork":
+            resp = await self.nodes.send(request, node)
+            for item in _json_list(resp.content):
+                child = (item.get("sandbox") or {}).get("sandboxID")
+                if isinstance(child, str):
+                    await self.directory.bind(child, node.node_id)
+            return _plain(resp)
+        if request.method == "POST" and rest == "/snapshots":
+            resp = await self.nodes.send(request, node)
+            snap = _json(resp.content).get("snapshotID")
+            if resp.status_code < 400 and isinstance(snap, str):
+                # Creates from it go to this node until the repository has it.
+                for key in (snap, _json(await request.body()).get("name")):
+                    if isinstance(key, str) and key:
+                        await self.state.bind_template(key, node.node_id)
+            return _plain(resp)
+        out = await self.nodes.forward(request, node)
+        if request.method == "DELETE" and not rest and out.status_code < 300:
+            await self.state.unbind(sandbox_id)
+            self.directory.forget(sandbox_id)
+        return out
+
+    async def _release(self, node: NodeRecord, sandbox_id: str) -> str | None:
+        try:
+            doc = await self.nodes.call(
+                node, "POST", f"/cluster/sandboxes/{sandbox_id}/release", api_key=self._key()
+            )
+        except NodeError as e:
+            if e.status in (404, 409):
+                return None  # not hibernated into the repository (or gone): it stays
+            raise
+        return str(doc["image"])
+
+    async def _adopt(self, node: NodeRecord, sandbox_id: str, image: str) -> None:
+        await self.nodes.call(
+            node,
+            "POST",
+            f"/cluster/sandboxes/{sandbox_id}/adopt",
+            api_key=self._key(),
+            body={"image": image},
+        )
+
+    def _key(self) -> str | None:
+        return self.settings.api_key
+
+    # ------------------------------------------------------------------ templates
+    async def _build_request(self, request: Request) -> Response:
+        body = await request.body()
+        node = self.scheduler.place(
+            Placement("", self.settings.default_cpu_count, self.settings.default_memory_mb),
+            await self.directory.schedulable(),
+        )
+        resp = await self.nodes.send(request, node, body=body)
+        template_id = _json(resp.content).get("templateID")
+        if resp.status_code < 400 and isinstance(template_id, str):
+            await self.state.bind_template(template_id, node.node_id)
+            for name in _json(body).get("name"), _json(body).get("alias"):
+                if isinstance(name, str) and name:
+                    await self.state.bind_template(name, node.node_id)
+        return _plain(resp)
+
+    async def _template(self, request: Request, template_id: str) -> Response:
+        node = await self._node_of_template(template_id)
+        if request.method == "DELETE":
+            # Every node's catalog knows a template it learned from the repository.
+            first = await self.nodes.send(request, node)
+            others = [n for n in await self.directory.healthy() if n.node_id != node.node_id]
+            await asyncio.gather(
+                *(self.nodes.send(request, n) for n in others), return_exceptions=True
+            )
+            return _plain(first)
+        return await self.nodes.forward(request, node)
+
+    async def _node_of_template(self, template_id: str) -> NodeRecord:
+        name = template_id.split(":", 1)[0]
+        for key in (template_id, name):
+            node_id = await self.state.template_node(key)
+            if node_id is not None:
+                try:
+                    node = await self.directory.node(node_id)
+                except NotFound:
+                    continue
+                if node.healthy:
+                    return node
+        return await self.directory.any_node()
+
+    async def _files_link(self, request: Request, template_id: str, files_hash: str) -> Response:
+        node = await self._node_of_template(template_id)
+        await self.state.bind_template(f"files:{files_hash}", node.node_id)
+        return await self.nodes.forward(request, node)
+
+    async def _node_of_files(self, files_hash: str) -> NodeRecord:
+        return await self._node_of_template(f"files:{files_hash}")
+
+    # ------------------------------------------------------------------ listings
+    async def _merged(
+        self, request: Request, time_field: str, id_field: str, order_default: str = "asc"
+    ) -> Response:
+        nodes = await self.directory.healthy()
+        answers = await asyncio.gather(
+            *(self.nodes.send(request, n) for n in nodes), return_exceptions=True
+        )
+        pages: list[tuple[list[dict[str, Any]], bool]] = []
+        for node, a in zip(nodes, answers, strict=True):
+            if isinstance(a, BaseException):
+                log.warning("listing on node %s failed: %s", node.node_id, a)
+                continue
+            if a.status_code >= 400:
+                return _plain(a)  # a bad query or key is the client's, the same everywhere
+            pages.append((_json_list(a.content), bool(a.headers.get("x-next-token"))))
+        limit = request.query_params.get("limit")
+        order = request.query_params.get("order", order_default)
+        items, token = merge_pages(
+            pages,
+            time_field=time_field,
+            id_field=id_field,
+            desc=order == "desc",
+            limit=int(limit) if limit and limit.isdigit() else None,
+        )
+        headers = {"x-next-token": token} if token else None
+        return JSONResponse(items, headers=headers)
+
+    async def _merged_metrics(self, request: Request) -> Response:
+        nodes = await self.directory.healthy()
+        answers = await asyncio.gather(
+            *(self.nodes.send(request, n) for n in nodes), return_exceptions=True
+        )
+        merged: dict[str, Any] = {}
+        for a in answers:
+            if isinstance(a, BaseException) or a.status_code >= 400:
+                continue
+            for key, value in _json(a.content).items():
+                if isinstance(value, dict):
+                    merged.setdefault(key, {}).update(value)
+                elif isinstance(value, list):
+                    merged.setdefault(key, []).extend(value)
+        return JSONResponse(merged)
+
+    # ------------------------------------------------------------------ nodes
+    async def _nodes(self) -> Response:
+        return JSONResponse([node_view(n) for n in await self.directory.nodes(fresh=True)])
+
+    async def _node(self, request: Request, node_id: str) -> Response:
+        node = await self.directory.node(node_id)
+        if request.method == "POST":
+            status = _json(await request.body()).get("status")
+            if status not in ("ready", "draining"):
+                raise BadRequest("status must be ready or draining")
+            await self.state.set_status(node_id, str(status))
+            self.directory._nodes_at = 0.0  # seen at once by this gateway's next placement
+        return await self.nodes.forward(request, node)
+
+
+class GatewayRouter(SandboxRouter):
+    """The data plane of a gateway: by sandbox id to its node, whose own router takes it
+    from there (so the routing headers go along, and the Host is the client's)."""
+
+    def target(self, route: SandboxRoute, scope: Scope, upstream: Upstream) -> Target:
+        headers = [(n, v) for n, v in scope["headers"] if n not in ROUTING_HEADERS]
+        headers += [
+            (b"e2b-sandbox-id", route.sandbox_id.encode()),
+            (b"e2b-sandbox-port", str(route.port).encode()),
+        ]
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+        return Target(
+            sandbox_id=route.sandbox_id,
+            sandbox_port=route.port,
+            host=upstream.host,
+            port=upstream.port,
+            raw_path=raw_path,
+            query=scope.get("query_string", b""),
+            headers=headers,
+        )
+
+
+def _upstream(node: NodeRecord) -> Upstream:
+    u = urlsplit(node.url)
+    return Upstream(u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80))
+
+
+def _json(raw: bytes) -> dict[str, Any]:
+    import json
+
+    try:
+        doc = json.loads(raw or b"{}")
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _json_list(raw: bytes) -> list[dict[str, Any]]:
+    import json
+
+    try:
+        doc = json.loads(raw or b"[]")
+    except ValueError:
+        return []
+    return [d for d in doc if isinstance(d, dict)] if isinstance(doc, list) else []
+
+
+def _plain(resp: Any) -> Response:
+    headers = {
+        k: v
+        for k, v in resp.headers.items()
+        if k.lower()
+        not in ("content-length", "transfer-encoding", "connection", "content-encoding")
+    }
+    return Response(resp.content, status_code=resp.status_code, headers=headers)
+
+
+def create_gateway_app(settings: Settings) -> ASGIApp:
+    if not settings.redis_url:
+        raise AenvError("aenv gateway needs AENV_REDIS_URL (the cluster's Redis)")
+    state = ClusterState(settings.redis_url)
+    scheduler = load_scheduler(settings.scheduler)
+    discover = None
+    if settings.discovery == "kubernetes":
+        from .k8s import KubernetesDiscovery
+
+        k8s = KubernetesDiscovery(settings.kubernetes_service, settings.kubernetes_namespace)
+
+        async def discover_urls() -> set[str]:
+            return {n.url for n in await k8s.nodes() if n.ready}
+
+        discover = discover_urls
+    directory = Directory(settings, state, scheduler, discover)
+    nodes = NodeClient()
+    gateway = Gateway(settings, state, directory, nodes, scheduler)
+
+    @asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await nodes.aclose()
+            await state.close()
+
+    control = Starlette(
+        routes=[
+            Route(
+                "/{path:path}",
+                gateway.handle,
+                methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
+            )
+        ],
+        lifespan=lifespan,
+    )
+
+    async def resolve(sandbox_id: str, port: int, token: str | None) -> Upstream:
+        try:
+            node = await directory.usable(sandbox_id, gateway._release, gateway._adopt, resume=True)
+        except NotFound:
+            raise SandboxNotFound(sandbox_id) from None
+        except NodeError as e:
+            raise SandboxNotFound(sandbox_id) from e
+        return _upstream(node)
+
+    return GatewayRouter(control, resolve, settings.routing_domains)

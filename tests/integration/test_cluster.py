@@ -1,0 +1,390 @@
+"""Many nodes: a real redis-server, a real S3 server, three real nodes on this host (their
+network prefixes and ranges derived from their node ids) and two gateways, driven by the
+stock E2B SDK through the gateways. The tests run in order on one cluster: sandboxes spread
+and work through either gateway, listing pages across nodes, fork and snapshots, a gateway
+killed with -9, Redis restarted empty, a node drained, a node killed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+from aenv.config import node_network
+from tests.helpers import ROOT, RedisServer, free_port, wait_healthy, wait_until
+
+from .conftest import AENV, Server, running_server
+from .helpers import wait_port
+
+pytestmark = pytest.mark.integration
+
+NODE_IDS = ("aecl-a", "aecl-b", "aecl-c")
+KEY = "e2b_" + "c1" * 20
+
+
+@dataclass
+class Gateway:
+    url: str
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [AENV, "gateway"], env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+        )
+        wait_healthy(self.url, 60, proc=self.proc, status=200, log=self.log_path)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(15)
+        self.proc = None
+
+    def sdk(self) -> dict[str, Any]:
+        return {"api_key": KEY, "api_url": self.url, "sandbox_url": self.url}
+
+    def get(self, path: str, **params: str) -> httpx.Response:
+        return httpx.get(self.url + path, params=params, headers={"X-API-Key": KEY}, timeout=60)
+
+
+@dataclass
+class Cluster:
+    redis: RedisServer
+    nodes: dict[str, Server]
+    gateways: list[Gateway]
+    made: list[str] = field(default_factory=list)
+
+    def create(self, gw: Gateway, **kw: Any) -> Sandbox:
+        s = Sandbox.create(template="base", timeout=600, **gw.sdk(), **kw)
+        self.made.append(s.sandbox_id)
+        return s
+
+    def node_of(self, sandbox_id: str) -> str:
+        """Which node holds the sandbox, by asking the nodes themselves."""
+        for nid, srv in self.nodes.items():
+            if srv.proc is None:
+                continue
+            r = httpx.get(
+                f"{srv.url}/sandboxes/{sandbox_id}", headers={"X-API-Key": KEY}, timeout=30
+            )
+            if r.status_code == 200:
+                return nid
+        raise AssertionError(f"no live node holds {sandbox_id}")
+
+    def node_status(self, gw: Gateway) -> dict[str, str]:
+        return {n["nodeID"]: n["status"] for n in gw.get("/nodes").json()}
+
+
+@pytest.fixture(scope="module")
+def cluster(s3_endpoint: str) -> Iterator[Cluster]:
+    bucket = f"aenv-{uuid.uuid4().hex[:12]}"
+    assert httpx.put(f"{s3_endpoint}/{bucket}", timeout=10).status_code == 200
+    work = Path(tempfile.mkdtemp(prefix="aenv-cluster-"))
+    redis = RedisServer(work / "redis")
+    redis.start()
+    common = dict(
+        AENV_REDIS_URL=redis.url,
+        AENV_API_KEY=KEY,
+        AENV_HEARTBEAT_SECONDS="1",
+        AENV_NODE_DEAD_AFTER="5",
+        AENV_SNAPSHOT_REPO=f"s3://{bucket}/cluster",
+        AENV_S3_ENDPOINT=s3_endpoint,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    gateways: list[Gateway] = []
+    with contextlib.ExitStack() as stack:
+        try:
+            nodes = {
+                nid: stack.enter_context(
+                    running_server(
+                        nid.replace("-", ""),
+                        None,  # prefix and range: derived from the node id
+                        AENV_NODE_ID=nid,
+                        AENV_HIBERNATE_AFTER="0",
+                        AENV_MAX_MEMORY_MB="6144",
+                        **common,
+                    )
+                )
+                for nid in NODE_IDS
+            }
+            for i in range(2):
+                port = free_port()
+                env = {**os.environ, **common, "AENV_LISTEN": f"127.0.0.1:{port}"}
+                gw = Gateway(f"http://127.0.0.1:{port}", env, work / f"gateway-{i}.log")
+                gw.start()
+                gateways.append(gw)
+            yield Cluster(redis, nodes, gateways)
+        finally:
+            for gw in gateways:
+                gw.stop()
+            redis.stop()
+            logs = Path(os.environ.get("AENV_TEST_LOGS", "/tmp/aenv-test-logs"))
+            with contextlib.suppress(OSError):
+                logs.mkdir(parents=True, exist_ok=True)
+                for f in work.glob("gateway-*.log"):
+                    (logs / f"cluster-{f.name}").write_bytes(f.read_bytes())
+
+
+def test_nodes_register_with_networks_of_their_own(cluster: Cluster) -> None:
+    gw = cluster.gateways[0]
+    assert cluster.node_status(gw) == dict.fromkeys(NODE_IDS, "ready")
+    assert len({node_network(n) for n in NODE_IDS}) == len(NODE_IDS)
+
+
+def _pty_roundtrip(s: Sandbox) -> str:
+    from e2b.sandbox.commands.command_handle import PtySize
+
+    out: list[bytes] = []
+    got = threading.Event()
+
+    def on_pty(b: bytes) -> None:
+        out.append(b)
+        if b"pty-42" in b"".join(out):
+            got.set()
+
+    h = s.pty.create(PtySize(rows=24, cols=80))
+    waiter = threading.Thread(target=lambda: h.wait(on_pty=on_pty), daemon=True)
+    waiter.start()
+    s.pty.send_stdin(h.pid, b"echo pty-$((40+2)); exit\n")
+    assert got.wait(20), b"".join(out)
+    waiter.join(15)
+    return b"".join(out).decode(errors="replace")
+
+
+def test_sandboxes_spread_and_work_through_either_gateway(cluster: Cluster) -> None:
+    a, b = cluster.gateways
+    made = [cluster.create(a, metadata={"suite": "cluster"}) for _ in range(6)]
+    where = {s.sandbox_id: cluster.node_of(s.sandbox_id) for s in made}
+    assert set(where.values()) == set(NODE_IDS), where
+    per_node = {n["nodeID"]: n["sandboxCount"] for n in a.get("/nodes").json()}
+    wait_until(
+        lambda: (
+            {n["nodeID"]: n["sandboxCount"] for n in a.get("/nodes").json()}
+            == {nid: list(where.values()).count(nid) for nid in NODE_IDS}
+        ),
+        15,
+        0.3,
+        f"heartbeats to count the sandboxes per node ({per_node})",
+    )
+    for s in made[:3]:
+        other = Sandbox.connect(s.sandbox_id, **b.sdk())
+        other.files.write("/home/user/via-b.txt", f"written through b to {s.sandbox_id}")
+        assert s.files.read("/home/user/via-b.txt") == f"written through b to {s.sandbox_id}"
+        assert other.commands.run("hostname && echo ok").stdout.strip().endswith("ok")
+        assert "pty-42" in _pty_roundtrip(other)
+    # a user port, through each gateway, by Host name and by header
+    s = made[0]
+    s.commands.run("mkdir -p /tmp/www && echo served > /tmp/www/index.html")
+    s.commands.run("cd /tmp/www && exec python3 -m http.server 8080", background=True)
+    wait_port(s, 8080)
+    for gw in (a, b):
+        r = httpx.get(
+            f"{gw.url}/index.html", headers={"Host": f"8080-{s.sandbox_id}.localhost"}, timeout=30
+        )
+        assert r.status_code == 200 and r.text.strip() == "served"
+        r = httpx.get(
+            f"{gw.url}/index.html",
+            headers={"E2b-Sandbox-Id": s.sandbox_id, "E2b-Sandbox-Port": "8080"},
+            timeout=30,
+        )
+        assert r.text.strip() == "served"
+    # a command's output streams through (not buffered until it ends)
+    seen: list[float] = []
+    s.commands.run(
+        "for i in 1 2 3; do echo tick; sleep 1; done",
+        on_stdout=lambda _line: seen.append(time.monotonic()),
+        timeout=30,
+    )
+    assert len(seen) == 3 and seen[-1] - seen[0] > 1.5
+
+
+def test_listing_pages_across_nodes(cluster: Cluster) -> None:
+    gw = cluster.gateways[1]
+    mine = set(cluster.made)
+    listed: list[str] = []
+    token: str | None = None
+    for _ in range(20):
+        params = {"limit": "2", "metadata": "suite=cluster"}
+        if token:
+            params["nextToken"] = token
+        r = gw.get("/v2/sandboxes", **params)
+        assert r.status_code == 200, r.text
+        assert len(r.json()) <= 2
+        listed += [x["sandboxID"] for x in r.json()]
+        token = r.headers.get("x-next-token")
+        if not token:
+            break
+    assert sorted(listed) == sorted(mine) and len(listed) == len(set(listed))
+    # the SDK's own paginator agrees
+    paginator = Sandbox.list(**gw.sdk(), limit=4)
+    via_sdk: list[str] = []
+    while paginator.has_next:
+        via_sdk += [x.sandbox_id for x in paginator.next_items()]
+    assert mine <= set(via_sdk)
+
+
+def test_fork_and_snapshot_through_a_gateway(cluster: Cluster) -> None:
+    a, b = cluster.gateways
+    parent = cluster.create(a)
+    parent.files.write("/home/user/p.txt", "from the parent")
+    parent.commands.run("sleep 4242", background=True)
+    home = cluster.node_of(parent.sandbox_id)
+    kids = parent.fork(count=2)
+    for k in kids:
+        assert isinstance(k, Sandbox), k
+        cluster.made.append(k.sandbox_id)
+        assert cluster.node_of(k.sandbox_id) == home  # fork runs on the parent's node
+        child = Sandbox.connect(k.sandbox_id, **b.sdk())
+        assert child.files.read("/home/user/p.txt") == "from the parent"
+        assert "sleep 4242" in child.commands.run("ps aux").stdout
+    name = f"clsnap-{uuid.uuid4().hex[:6]}"
+    snap = parent.create_snapshot(name=name)
+    listed = [x["snapshotID"] for x in b.get("/snapshots").json()]
+    assert snap.snapshot_id in listed
+    from_snap = Sandbox.create(template=name, timeout=300, **b.sdk())
+    cluster.made.append(from_snap.sandbox_id)
+    assert from_snap.files.read("/home/user/p.txt") == "from the parent"
+
+
+def test_a_gateway_killed_and_restarted_routes_every_sandbox(cluster: Cluster) -> None:
+    a = cluster.gateways[0]
+    a.stop(signal.SIGKILL)
+    a.start()
+    for sid in cluster.made:
+        s = Sandbox.connect(sid, **a.sdk())
+        assert s.commands.run("echo alive").stdout.strip() == "alive"
+
+
+def test_redis_restarted_empty_loses_no_binding(cluster: Cluster) -> None:
+    import redis as redis_client
+
+    r = redis_client.Redis.from_url(cluster.redis.url, decode_responses=True)
+    before = r.hgetall("aenv:bindings")
+    assert set(cluster.made) <= set(before)
+    cluster.redis.stop()
+    cluster.redis.start()
+    r = redis_client.Redis.from_url(cluster.redis.url, decode_responses=True)
+
+    def rebuilt() -> bool:
+        got = r.hgetall("aenv:bindings")
+        return all(got.get(sid) == before[sid] for sid in cluster.made)
+
+    wait_until(rebuilt, 20, 0.2, "the nodes to write their bindings again")
+    b = cluster.gateways[1]
+    for sid in cluster.made[:4]:
+        assert Sandbox.connect(sid, **b.sdk()).commands.run("echo ok").stdout.strip() == "ok"
+    wait_until(
+        lambda: cluster.node_status(b) == dict.fromkeys(NODE_IDS, "ready"),
+        20,
+        0.3,
+        "every node registered again",
+    )
+
+
+def _wait_movable(cluster: Cluster, node_id: str, sandbox_id: str) -> None:
+    import redis as redis_client
+
+    r = redis_client.Redis.from_url(cluster.redis.url, decode_responses=True)
+
+    def published() -> bool:
+        doc = r.hget(f"aenv:roster:{node_id}", sandbox_id)
+        return bool(doc) and '"image":"hib-' in str(doc)
+
+    wait_until(published, 90, 0.3, f"{sandbox_id} to be hibernated into the repository")
+
+
+def test_drain_moves_sandboxes_on_resume(cluster: Cluster) -> None:
+    a = cluster.gateways[0]
+    s = cluster.create(a)
+    s.files.write("/home/user/d.txt", "drained")
+    s.commands.run("sleep 5151", background=True)
+    source = cluster.node_of(s.sandbox_id)
+    out = subprocess.run(
+        [AENV, "--url", a.url, "--api-key", KEY, "node", "drain", source],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"node {source} is draining" in out.stdout
+    assert cluster.node_status(a)[source] == "draining"
+    back = Sandbox.connect(s.sandbox_id, **a.sdk())
+    assert cluster.node_of(s.sandbox_id) != source
+    assert back.files.read("/home/user/d.txt") == "drained"
+    assert "sleep 5151" in back.commands.run("ps aux").stdout
+    # no new sandbox goes to the draining node
+    fresh = cluster.create(a)
+    assert cluster.node_of(fresh.sandbox_id) != source
+    subprocess.run(
+        [AENV, "--url", a.url, "--api-key", KEY, "node", "undrain", source],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    wait_until(lambda: cluster.node_status(a)[source] == "ready", 10, 0.2, "undrained")
+
+
+def test_a_killed_node_is_unhealthy_and_its_hibernated_sandboxes_move(cluster: Cluster) -> None:
+    a, b = cluster.gateways
+    victim_id = NODE_IDS[-1]
+    victim = cluster.nodes[victim_id]
+    # one sandbox that will be hibernated there, one left running
+    on_victim: list[Sandbox] = []
+    for _ in range(12):
+        s = cluster.create(a)
+        if cluster.node_of(s.sandbox_id) == victim_id:
+            on_victim.append(s)
+        if len(on_victim) == 2:
+            break
+    assert len(on_victim) == 2, "the scheduler never placed two sandboxes on the victim"
+    sleeper, runner = on_victim
+    sleeper.files.write("/home/user/moved.txt", "survived its node")
+    sleeper.commands.run("sleep 6161", background=True)
+    assert sleeper.pause()
+    _wait_movable(cluster, victim_id, sleeper.sandbox_id)
+    assert victim.proc is not None
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(10)
+    victim.proc = None
+    lost_at = time.monotonic()
+    wait_until(
+        lambda: cluster.node_status(b)[victim_id] == "unhealthy", 10, 0.2, "the node unhealthy"
+    )
+    assert time.monotonic() - lost_at < 10
+    # its running sandbox: a clear answer at once, not a hang
+    t0 = time.monotonic()
+    r = httpx.get(
+        f"{b.url}/health",
+        headers={"E2b-Sandbox-Id": runner.sandbox_id, "E2b-Sandbox-Port": "49983"},
+        timeout=30,
+    )
+    assert r.status_code == 502 and "unreachable" in r.json()["message"], r.text
+    assert time.monotonic() - t0 < 5
+    # the hibernated one resumes on another node, under the same id
+    moved = Sandbox.connect(sleeper.sandbox_id, **b.sdk())
+    assert cluster.node_of(sleeper.sandbox_id) != victim_id
+    assert moved.files.read("/home/user/moved.txt") == "survived its node"
+    assert "sleep 6161" in moved.commands.run("ps aux").stdout
+    if victim.proc is None:  # the fixture's cleanup kills its sandboxes through the API
+        victim.start()
