@@ -1,0 +1,1 @@
+"""Many nodes behind stateless gateways: cluster state, discovery and deployment glue."""
