@@ -130,9 +130,9 @@ def test_only_the_aenv_and_redis_images_are_used(objects: list[dict[str, Any]]) 
 
 def _env_of(
     container: dict[str, Any], objects: list[dict[str, Any]]
-) -> Iterator[tuple[str, str | None]]:
-    """(name, literal value or None) of what the container's environment holds, envFrom's
-    ConfigMaps and Secrets first, as the kubelet builds it."""
+) -> Iterator[tuple[str, str]]:
+    """(name, literal value; "" for one from `valueFrom`) of what the container's environment
+    holds, envFrom's ConfigMaps and Secrets first, as the kubelet builds it."""
     for src in container.get("envFrom", []):
         if "configMapRef" in src:
             data = _one(objects, "ConfigMap", src["configMapRef"]["name"])["data"]
@@ -140,7 +140,7 @@ def _env_of(
             data = _one(objects, "Secret", src["secretRef"]["name"])["stringData"]
         yield from data.items()
     for e in container.get("env", []):
-        yield e["name"], e.get("value")
+        yield e["name"], e.get("value", "")
 
 
 def test_node_is_a_privileged_daemonset_on_the_hosts_data_dir(
@@ -188,7 +188,7 @@ def test_variable_references_name_variables_defined_before_them(
             for c in _containers(spec):
                 defined: set[str] = set()
                 for name, value in _env_of(c, objects):
-                    for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", value or ""):
+                    for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", value):
                         assert ref in defined, f"{o['metadata']['name']}/{c['name']}: $({ref})"
                     defined.add(name)
                 for arg in c.get("args", []):
