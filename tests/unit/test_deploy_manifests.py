@@ -128,9 +128,7 @@ def test_only_the_aenv_and_redis_images_are_used(objects: list[dict[str, Any]]) 
 # --- the node DaemonSet ------------------------------------------------------------------
 
 
-def _env_of(
-    container: dict[str, Any], objects: list[dict[str, Any]]
-) -> Iterator[tuple[str, str]]:
+def _env_of(container: dict[str, Any], objects: list[dict[str, Any]]) -> Iterator[tuple[str, str]]:
     """(name, literal value; "" for one from `valueFrom`) of what the container's environment
     holds, envFrom's ConfigMaps and Secrets first, as the kubelet builds it."""
     for src in container.get("envFrom", []):
@@ -278,6 +276,41 @@ def test_every_service_selects_exactly_one_workload_on_a_declared_port(
         }
         for port in svc["spec"]["ports"]:
             assert port["targetPort"] in declared, svc["metadata"]["name"]
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector (matchLabels and `In` expressions, what the manifests use)."""
+    ok = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+    for e in selector.get("matchExpressions", []):
+        assert e["operator"] == "In", e
+        ok = ok and labels.get(e["key"]) in e["values"]
+    return ok and bool(selector)
+
+
+def test_network_policies_admit_exactly_the_intended_callers(
+    objects: list[dict[str, Any]],
+) -> None:
+    pods = {
+        w["metadata"]["name"]: w["spec"]["template"]["metadata"]["labels"]
+        for w in objects
+        if w["kind"] in WORKLOADS
+    }
+    allowed: dict[str, set[str]] = {}
+    for policy in (o for o in objects if o["kind"] == "NetworkPolicy"):
+        (target,) = [
+            n for n, labels in pods.items() if _selects(policy["spec"]["podSelector"], labels)
+        ]
+        allowed[target] = {
+            n
+            for rule in policy["spec"]["ingress"]
+            for peer in rule["from"]
+            for n, labels in pods.items()
+            if _selects(peer["podSelector"], labels)
+        }
+    assert allowed == {
+        "aenv-redis": {"aenv-node", "aenv-gateway"},
+        "aenv-node": {"aenv-gateway"},
+    }
 
 
 def test_redis_url_points_at_the_redis_service_with_its_password(
