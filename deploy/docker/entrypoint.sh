@@ -26,13 +26,16 @@ delegate_cgroups() {
     while read -r pid; do
         echo "$pid" >> "$leaf/cgroup.procs" 2>/dev/null || true
     done < "$CGROUP_ROOT/cgroup.procs"
-    controllers=""
-    for c in $(cat "$CGROUP_ROOT/cgroup.controllers"); do
-        controllers="$controllers +$c"
+    # "cpuset cpu io memory pids" -> "+cpuset +cpu +io +memory +pids"
+    controllers=$(sed -e 's/[^ ][^ ]*/+&/g' "$CGROUP_ROOT/cgroup.controllers")
+    [ -n "$controllers" ] || return 0
+    # All at once; if the kernel refuses one, each on its own, so one controller we may not
+    # hand down (say cpuset) costs only its own limits, not the node's start.
+    echo "$controllers" > "$CGROUP_ROOT/cgroup.subtree_control" 2>/dev/null && return 0
+    for c in $controllers; do
+        echo "$c" > "$CGROUP_ROOT/cgroup.subtree_control" 2>/dev/null \
+            || echo "aenv-entrypoint: cannot enable the ${c#+} controller for sandboxes" >&2
     done
-    if [ -n "$controllers" ]; then
-        echo "${controllers# }" > "$CGROUP_ROOT/cgroup.subtree_control"
-    fi
 }
 
 if [ "${1:-}" = "server" ]; then
