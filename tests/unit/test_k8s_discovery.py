@@ -262,8 +262,9 @@ async def test_client_uses_the_given_service_and_namespace(
 ) -> None:
     api, sa = fake_api
     api.pages = {"": _list()}
+    # Service and namespace may be given positionally (as the gateway passes its settings).
     async with KubernetesDiscovery(
-        api_url=api.url, serviceaccount_dir=sa, service="my-nodes", namespace="prod"
+        "my-nodes", "prod", api_url=api.url, serviceaccount_dir=sa
     ) as disco:
         assert await disco.nodes() == []
     path, query, _auth = api.requests[0]

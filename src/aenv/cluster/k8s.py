@@ -162,9 +162,9 @@ class KubernetesDiscovery:
 
     def __init__(
         self,
-        *,
         service: str = DEFAULT_SERVICE,
         namespace: str | None = None,
+        *,
         port_name: str | None = None,
         api_url: str | None = None,
         serviceaccount_dir: Path = SERVICEACCOUNT_DIR,
