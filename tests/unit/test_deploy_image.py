@@ -1,0 +1,113 @@
+"""The image's files (deploy/docker/): the Dockerfile's packages, entrypoint and build
+context, and the entrypoint script's cgroup preparation for a node, run against a stand-in
+cgroup tree."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "deploy" / "docker"
+
+
+def _instructions(text: str) -> list[tuple[str, str]]:
+    joined = re.sub(r"\\\n(\s*#.*\n)*", " ", text)
+    out = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            op, _, rest = line.partition(" ")
+            out.append((op.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_installs_runsc_from_backports_and_runs_aenv() -> None:
+    steps = _instructions((DOCKER / "Dockerfile").read_text())
+    assert steps[0] == ("FROM", "debian:bookworm-slim")
+    runs = " ".join(rest for op, rest in steps if op == "RUN")
+    assert re.search(r"-t bookworm-backports\s+runsc", runs)
+    for pkg in ("iproute2", "iptables", "nftables", "e2fsprogs", "python3-venv", "debootstrap"):
+        assert re.search(rf"\b{pkg}\b", runs), pkg
+    assert ("CMD", '["server"]') in steps
+    entry = next(rest for op, rest in steps if op == "ENTRYPOINT")
+    assert entry == '["/usr/bin/tini", "--", "/usr/local/bin/aenv-entrypoint"]'
+    # What it copies exists and is let through .dockerignore's allowlist.
+    allowed = [
+        line[1:].rstrip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    ]
+    for op, rest in steps:
+        if op == "COPY":
+            for src in rest.split()[:-1]:
+                assert (ROOT / src).exists(), src
+                assert any(src.rstrip("/") == a or src.startswith(a + "/") for a in allowed), src
+    assert os.access(DOCKER / "entrypoint.sh", os.X_OK)
+
+
+def _fake_cgroup(tmp_path: Path, *, v2: bool, self_cgroup: str) -> dict[str, str]:
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    (root / "cgroup.procs").write_text("1\n7\n")
+    (root / "cgroup.subtree_control").write_text("")
+    if v2:
+        (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    (tmp_path / "self").write_text(self_cgroup + "\n")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "aenv").write_text('#!/bin/sh\necho "aenv $*"\n')
+    (bindir / "aenv").chmod(0o755)
+    return {
+        "PATH": f"{bindir}:/usr/bin:/bin",
+        "AENV_CGROUP_ROOT": str(root),
+        "AENV_SELF_CGROUP": str(tmp_path / "self"),
+    }
+
+
+def _entrypoint(env: dict[str, str], *args: str) -> str:
+    proc = subprocess.run(
+        ["sh", str(DOCKER / "entrypoint.sh"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_entrypoint_delegates_cgroup_controllers_to_a_node(tmp_path: Path) -> None:
+    env = _fake_cgroup(tmp_path, v2=True, self_cgroup="0::/")
+    assert _entrypoint(env, "server") == "aenv server\n"
+    root = Path(env["AENV_CGROUP_ROOT"])
+    assert (root / "aenv-init" / "cgroup.procs").read_text().split() == ["1", "7"]
+    assert (root / "cgroup.subtree_control").read_text().split() == [
+        "+cpuset",
+        "+cpu",
+        "+io",
+        "+memory",
+        "+pids",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("v2", "self_cgroup", "args"),
+    [
+        (True, "0::/", ("gateway",)),  # not a node
+        (True, "0::/kubepods/pod1/abc", ("server",)),  # the host's cgroup namespace
+        (False, "0::/", ("server",)),  # cgroup v1
+    ],
+)
+def test_entrypoint_leaves_cgroups_alone_otherwise(
+    tmp_path: Path, v2: bool, self_cgroup: str, args: tuple[str, ...]
+) -> None:
+    env = _fake_cgroup(tmp_path, v2=v2, self_cgroup=self_cgroup)
+    assert _entrypoint(env, *args, "--flag") == f"aenv {' '.join(args)} --flag\n"
+    root = Path(env["AENV_CGROUP_ROOT"])
+    assert not (root / "aenv-init").exists()
+    assert (root / "cgroup.subtree_control").read_text() == ""
