@@ -797,3 +797,38 @@ def test_paths_no_system_call_takes_are_client_errors(client: httpx.Client, tmp_
     # A file that fails on its first read is a clean 400, not a stream cut after a 200.
     r = client.get("/files", params={"path": "/proc/self/mem"})
     assert r.status_code == 400 and r.json()["code"] == 400
+
+
+async def test_an_upload_answered_early_still_gets_its_answer() -> None:
+    """envd refuses an upload mid-body (507 on a full disk): it reads the rest before closing,
+    so the client, still sending, gets the answer instead of a reset."""
+    import asyncio
+
+    from aenv.envd import httpserver
+
+    async def handler(req: httpserver.Request, resp: httpserver.Response) -> None:
+        await req.body.read(64 * 1024)
+        raise httpserver.HTTPError(507, "not enough disk space available")
+
+    server = await asyncio.start_server(
+        lambda r, w: httpserver.serve_connection(r, w, handler), "127.0.0.1", 0
+    )
+    port = server.sockets[0].getsockname()[1]
+    body = b"y" * (32 << 20)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /files?path=/x HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream"
+            b"\r\ncontent-length: %d\r\n\r\n" % len(body)
+        )
+        sent = 0
+        while sent < len(body):
+            writer.write(body[sent : sent + (1 << 20)])
+            await writer.drain()
+            sent += 1 << 20
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        assert head.startswith(b"HTTP/1.1 507"), head
+        writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -26,7 +26,7 @@ BINDING_FRESH_SECONDS = 5.0
 Release = Callable[[NodeRecord, str], Awaitable[str | None]]
 # (node, sandbox id, image): the node adopts the sandbox.
 Adopt = Callable[[NodeRecord, str, str], Awaitable[None]]
-# The node URLs Kubernetes lists as ready (None: discovery not configured).
+# The URLs and names of the nodes Kubernetes lists as ready (None: not configured).
 Discover = Callable[[], Awaitable[set[str]]]
 
 
@@ -78,7 +78,7 @@ class Directory:
                     if self.discover is not None:
                         ready = await self.discover()
                         for n in nodes:
-                            n.healthy = n.healthy and n.url in ready
+                            n.healthy = n.healthy and (n.url in ready or n.node_id in ready)
                     self._nodes, self._nodes_at = nodes, time.monotonic()
         return list(self._nodes)
 

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from ..errors import AenvError, BadGateway
-from ..proxy._common import HOP_BY_HOP
+from ..proxy._common import HOP_BY_HOP, Target
+from ..proxy.http import HttpForwarder
 from .records import NodeRecord
 
 log = logging.getLogger("aenv.cluster")
@@ -42,14 +45,60 @@ class NodeError(AenvError):
         return dict(self.body)
 
 
+@dataclass(frozen=True, slots=True)
+class NodeTarget(Target):
+    """A request passed on to a node as it came; a node that takes no connection is a
+    node's error, not a sandbox port's."""
+
+    node_id: str = ""
+
+    def unreachable(self, reason: str) -> dict[str, object]:
+        return {"code": 502, "message": f"node {self.node_id!r} is unreachable: {reason}"}
+
+
+class _Passthrough(Response):
+    """A response that is the node's own, relayed byte for byte by the proxy's forwarder
+    (the request's body is read from the client as it is sent on)."""
+
+    def __init__(self, forwarder: HttpForwarder, target: NodeTarget) -> None:
+        self.forwarder = forwarder
+        self.target = target
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.forwarder.forward(scope, receive, send, self.target)
+
+
 class NodeClient:
     def __init__(self) -> None:
         self.http = httpx.AsyncClient(
             timeout=TIMEOUT, limits=httpx.Limits(max_connections=512), follow_redirects=False
         )
+        self.raw = HttpForwarder()
 
     async def aclose(self) -> None:
         await self.http.aclose()
+        await self.raw.aclose()
+
+    def passthrough(self, request: Request, node: NodeRecord) -> Response:
+        """The node answers the request, streamed both ways, nothing of it read here (the
+        cheapest way; for requests whose body and answer the gateway needs not see)."""
+        u = httpx.URL(node.url)
+        scope = request.scope
+        raw_path: bytes = scope.get("raw_path") or request.url.path.encode()
+        return _Passthrough(
+            self.raw,
+            NodeTarget(
+                sandbox_id=f"node:{node.node_id}",
+                sandbox_port=u.port or 80,
+                host=u.host,
+                port=u.port or 80,
+                raw_path=raw_path,
+                query=scope.get("query_string", b""),
+                headers=list(scope["headers"]),
+                node_id=node.node_id,
+            ),
+        )
 
     @staticmethod
     def _headers(request: Request) -> list[tuple[bytes, bytes]]:

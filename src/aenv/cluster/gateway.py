@@ -98,12 +98,12 @@ class Gateway:
             return await self._files_link(request, m.group(1), m.group(2))
         if m := _BUILD_FILES.match(path):
             node = await self._node_of_files(m.group(1))
-            return await self.nodes.forward(request, node)
+            return self.nodes.passthrough(request, node)
         if m := _TEMPLATE.match(path):
             return await self._template(request, m.group(1))
         if m := _SNAPSHOT.match(path):
             return await self._template(request, m.group(1))
-        return await self.nodes.forward(request, await self.directory.any_node())
+        return self.nodes.passthrough(request, await self.directory.any_node())
 
     # ------------------------------------------------------------------ sandboxes
     async def _create(self, request: Request) -> Response:
@@ -157,11 +157,13 @@ class Gateway:
                     if isinstance(key, str) and key:
                         await self.state.bind_template(key, node.node_id)
             return _plain(resp)
-        out = await self.nodes.forward(request, node)
-        if request.method == "DELETE" and not rest and out.status_code < 300:
-            await self.state.unbind(sandbox_id)
-            self.directory.forget(sandbox_id)
-        return out
+        if request.method == "DELETE" and not rest:
+            resp = await self.nodes.send(request, node)
+            if resp.status_code < 300:
+                await self.state.unbind(sandbox_id)
+                self.directory.forget(sandbox_id)
+            return _plain(resp)
+        return self.nodes.passthrough(request, node)
 
     async def _release(self, node: NodeRecord, sandbox_id: str) -> str | None:
         try:
@@ -212,7 +214,7 @@ class Gateway:
                 *(self.nodes.send(request, n) for n in others), return_exceptions=True
             )
             return _plain(first)
-        return await self.nodes.forward(request, node)
+        return self.nodes.passthrough(request, node)
 
     async def _node_of_template(self, template_id: str) -> NodeRecord:
         name = template_id.split(":", 1)[0]
@@ -230,7 +232,7 @@ class Gateway:
     async def _files_link(self, request: Request, template_id: str, files_hash: str) -> Response:
         node = await self._node_of_template(template_id)
         await self.state.bind_template(f"files:{files_hash}", node.node_id)
-        return await self.nodes.forward(request, node)
+        return self.nodes.passthrough(request, node)
 
     async def _node_of_files(self, files_hash: str) -> NodeRecord:
         return await self._node_of_template(f"files:{files_hash}")
@@ -363,7 +365,9 @@ def create_gateway_app(settings: Settings) -> ASGIApp:
         k8s = KubernetesDiscovery(settings.kubernetes_service, settings.kubernetes_namespace)
 
         async def discover_urls() -> set[str]:
-            return {n.url for n in await k8s.nodes() if n.ready}
+            # A registration matches its endpoint by URL or by node name (= node id).
+            ready = [n for n in await k8s.nodes() if n.ready]
+            return {n.url for n in ready} | {n.node_name for n in ready if n.node_name}
 
         discover = discover_urls
     directory = Directory(settings, state, scheduler, discover)
