@@ -91,8 +91,16 @@ class SandboxLogs:
         answer, and a paused sandbox's were taken up to its last pull)."""
         if r.state is not SandboxState.RUNNING or r.address is None:
             return
+        # Under the sandbox's own lock, and not while an operation holds it: a connection
+        # opened while a snapshot checkpoints the sandbox would wedge the restored copy's
+        # network (runsc 20240729), so the journal waits for the next round.
+        op = self.table.lock(r.sandbox_id)
+        if op.locked():
+            return
         lock = self._locks.setdefault(r.sandbox_id, asyncio.Lock())
-        async with lock:
+        async with lock, op:
+            if r.state is not SandboxState.RUNNING or r.address is None:
+                return
             after = self._cursor.get(r.sandbox_id, 0)
             body = await self._read(r, after)
             if body is not None and body[0] < after:

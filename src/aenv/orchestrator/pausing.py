@@ -325,6 +325,16 @@ class Pauser:
         r = self.table.find(sandbox_id)
         if r is None or r.state not in LIVE_STATES:
             raise SandboxNotFound(sandbox_id)
+        lock = self.table.lock(sandbox_id)
+        if lock.locked():
+            # An operation (snapshot, fork, pause) has the sandbox: a connection opened
+            # while it is checkpointed would wedge the restored copy's network (runsc
+            # 20240729), so the request waits for it, then goes where the sandbox is now.
+            async with lock:
+                pass
+            r = self.table.find(sandbox_id)
+            if r is None or r.state not in LIVE_STATES:
+                raise SandboxNotFound(sandbox_id)
         presented = (traffic_token or "").encode()
         if (
             r.traffic_access_token
