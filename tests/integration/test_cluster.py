@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 from e2b import Sandbox
+from e2b.exceptions import SandboxException
 
 from aenv.config import node_network
 from tests.helpers import ROOT, RedisServer, free_port, wait_healthy, wait_until
@@ -266,6 +267,58 @@ def test_fork_and_snapshot_through_a_gateway(cluster: Cluster) -> None:
     from_snap = Sandbox.create(template=name, timeout=300, **b.sdk())
     cluster.made.append(from_snap.sandbox_id)
     assert from_snap.files.read("/home/user/p.txt") == "from the parent"
+
+
+@pytest.mark.timeout(900)
+def test_a_template_built_through_a_gateway_serves_every_node(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The build runs on one node (its status, logs and file upload follow it); the template
+    is published to the repository and creates on the other nodes find it there."""
+    from e2b import Template
+
+    a, b = cluster.gateways
+    (tmp_path / "greeting.txt").write_text("built on one node\n")
+    name = f"cltpl-{uuid.uuid4().hex[:6]}"
+    logs: list[str] = []
+    template = (
+        Template(file_context_path=str(tmp_path))
+        .from_template("base")
+        .copy("greeting.txt", "/opt/greeting.txt")
+        .run_cmd("echo ran > /home/user/ran.txt")
+    )
+    Template.build(
+        template,
+        name,
+        cpu_count=1,
+        memory_mb=256,
+        on_build_logs=lambda e: logs.append(e.message),
+        api_key=KEY,
+        api_url=a.url,
+    )
+    assert logs
+    first = Sandbox.create(template=name, timeout=120, **b.sdk())
+    cluster.made.append(first.sandbox_id)
+    assert first.files.read("/opt/greeting.txt") == "built on one node\n"
+    builder = cluster.node_of(first.sandbox_id)  # the scheduler prefers the node with its layers
+    for nid, srv in cluster.nodes.items():
+        if nid == builder:
+            continue
+        direct: dict[str, Any] = {"api_key": KEY, "api_url": srv.url, "sandbox_url": srv.url}
+
+        def create_there(direct: dict[str, Any] = direct) -> Sandbox | None:
+            # Another node finds the template once its builder has published it.
+            try:
+                return Sandbox.create(template=name, timeout=120, **direct)
+            except SandboxException as e:
+                if "not found" not in str(e):
+                    raise
+                return None
+
+        s = wait_until(create_there, 120, 1.0, f"{name} to be usable on node {nid}")
+        cluster.made.append(s.sandbox_id)
+        assert s.files.read("/opt/greeting.txt") == "built on one node\n"
+        assert s.commands.run("cat /home/user/ran.txt").stdout.strip() == "ran"
 
 
 def test_a_gateway_killed_and_restarted_routes_every_sandbox(cluster: Cluster) -> None:
