@@ -316,6 +316,7 @@ def test_a_template_built_through_a_gateway_serves_every_node(
                 return None
 
         s = wait_until(create_there, 120, 1.0, f"{name} to be usable on node {nid}")
+        assert s is not None
         cluster.made.append(s.sandbox_id)
         assert s.files.read("/opt/greeting.txt") == "built on one node\n"
         assert s.commands.run("cat /home/user/ran.txt").stdout.strip() == "ran"
