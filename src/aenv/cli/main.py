@@ -14,6 +14,7 @@ import typer
 from typer.core import TyperGroup
 
 from .. import __version__
+from ..config import Settings
 from ..errors import AenvError
 from . import keys, nodes, sandboxes, snapshots, templates, volumes
 from .bench import bench
@@ -100,44 +101,33 @@ def main(
     ctx.obj = CliState(url_option=url, api_key_option=api_key)
 
 
-def server(
-    ctx: typer.Context,
-    listen: Annotated[
-        str | None,
-        typer.Option(
-            "--listen",
-            metavar="HOST:PORT",
-            help="Listen address (default: $AENV_LISTEN or 127.0.0.1:8000).",
-        ),
-    ] = None,
-) -> None:
-    """Run the aenv server (control plane and sandbox proxy on one port)."""
+ListenOption = Annotated[
+    str | None,
+    typer.Option(
+        "--listen",
+        metavar="HOST:PORT",
+        help="Listen address (default: $AENV_LISTEN or 127.0.0.1:8000).",
+    ),
+]
+
+
+def _served_settings(ctx: typer.Context, listen: str | None) -> Settings:
     settings = state_of(ctx).settings()
-    if listen:
-        settings = settings.model_copy(update={"listen": listen})
+    return settings.model_copy(update={"listen": listen}) if listen else settings
+
+
+def server(ctx: typer.Context, listen: ListenOption = None) -> None:
+    """Run the aenv server (control plane and sandbox proxy on one port)."""
     from ..server import serve
 
-    serve(settings)
+    serve(_served_settings(ctx, listen))
 
 
-def gateway(
-    ctx: typer.Context,
-    listen: Annotated[
-        str | None,
-        typer.Option(
-            "--listen",
-            metavar="HOST:PORT",
-            help="Listen address (default: $AENV_LISTEN or 127.0.0.1:8000).",
-        ),
-    ] = None,
-) -> None:
+def gateway(ctx: typer.Context, listen: ListenOption = None) -> None:
     """Run a gateway: the same API in front of the nodes of a cluster (needs AENV_REDIS_URL)."""
-    settings = state_of(ctx).settings()
-    if listen:
-        settings = settings.model_copy(update={"listen": listen})
     from ..cluster.serve import serve_gateway
 
-    serve_gateway(settings)
+    serve_gateway(_served_settings(ctx, listen))
 
 
 app.command("fork")(snapshots.fork)
