@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..domain import (
@@ -55,8 +55,11 @@ class Recovery:
     booter: Booter
     storage: SandboxStorage
     templates: TemplateRegistry
+    # Containers recovery itself removed (stopped ones kept only for their slot).
+    _released: set[str] = field(default_factory=set, init=False)
 
     async def run(self) -> None:
+        self._released.clear()
         records = await self.table.stored()
         keep = {r.instance.id for r in records if r.instance and r.state in _LIVE}
         recovered = await self.runtime.start(keep)
@@ -73,6 +76,13 @@ class Recovery:
             self.table.add(r)
             await self.table.save(r)
             kept.append(r)
+        # A container kept for a record that names another one (an operation cut between
+        # replacing the container and saving the record) belongs to nobody now.
+        owned = {r.instance.id for r in kept if r.instance is not None} | self._released
+        for cid, inst in recovered.items():
+            if cid not in owned:
+                log.info("removing container %s: no sandbox uses it", cid)
+                await self.booter.destroy_quietly(inst)
         await self._drop_fork_snapshots()  # after: a fork's parent may take its image over
         await self._sweep(kept)
         await asyncio.to_thread(self.storage.layers.clean_staging)  # adds a crash cut short
@@ -85,6 +95,7 @@ class Recovery:
                 log.info("sandbox %s: its %s was cut short; it goes on", r.sandbox_id, op.kind)
             return
         if found is not None:  # stopped by an operation (kept only for its slot), or broken
+            self._released.add(found.id)
             await self.booter.destroy_quietly(found)
         r.instance = None
         if r.tier in _ON_DISK:
