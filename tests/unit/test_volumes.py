@@ -229,3 +229,17 @@ def test_volumes_root_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert Settings().volumes_dir == Path("/srv/shared-volumes")
     monkeypatch.setenv("AENV_VOLUMES_ROOT", "/mnt/nfs/volumes")
     assert Settings().volumes_dir == Path("/mnt/nfs/volumes")
+
+
+def test_a_download_sends_what_the_file_held_when_opened(tmp_path: Path) -> None:
+    """A sandbox may append to a file while it downloads: the answer keeps the length it
+    announced (Content-Length) instead of breaking off with more."""
+    from aenv.api.routes.volumes import _chunks
+
+    p = tmp_path / "log.txt"
+    p.write_bytes(b"0123456789")
+    f = p.open("rb")
+    size = 10
+    with p.open("ab") as appender:
+        appender.write(b"more lines" * 100_000)
+    assert b"".join(_chunks(f, size)) == b"0123456789"

@@ -158,15 +158,19 @@ async def make_dir(
 async def read_file(files: Files, path: PathQuery) -> StreamingResponse:
     f, size = await asyncio.to_thread(files.open_file, path)
     return StreamingResponse(
-        _chunks(f),  # a plain iterator: Starlette reads it in its thread pool
+        _chunks(f, size),  # a plain iterator: Starlette reads it in its thread pool
         media_type="application/octet-stream",
         headers={"content-length": str(size)},
     )
 
 
-def _chunks(f: BinaryIO) -> Iterator[bytes]:
+def _chunks(f: BinaryIO, size: int) -> Iterator[bytes]:
+    """The file's first `size` bytes: what it held when opened (a sandbox may be appending
+    to it, and the answer promised that length)."""
+    left = size
     with f:
-        while chunk := f.read(CHUNK):
+        while left > 0 and (chunk := f.read(min(CHUNK, left))):
+            left -= len(chunk)
             yield chunk
 
 
