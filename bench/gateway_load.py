@@ -90,6 +90,43 @@ async def throughput(port: int, request: bytes, concurrency: int, seconds: float
     return rate
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def heartbeat_capacity(url: str, pid: int, roster_size: int, beats: int) -> dict[str, float]:
+    """How many node heartbeats (registration + a roster of `roster_size` sandboxes) one
+    Redis takes per second of its own CPU."""
+    from aenv.cluster.records import NodeRecord, RosterEntry
+    from aenv.cluster.state import ClusterState
+
+    st = ClusterState(url, namespace="bench")
+    roster = {
+        f"i{n:019d}": RosterEntry(state="running", template_id="base", started_at="2026-01-01")
+        for n in range(roster_size)
+    }
+    nodes = [NodeRecord(node_id=f"n{i}", url=f"http://10.0.0.{i}:8000") for i in range(50)]
+    prev: dict[str, set[str] | None] = {n.node_id: None for n in nodes}
+    try:
+        for n in nodes:  # registered once, as after their first heartbeat
+            prev[n.node_id] = await st.heartbeat(n, roster, None)
+        cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+        for i in range(beats):
+            n = nodes[i % len(nodes)]
+            prev[n.node_id] = await st.heartbeat(n, roster, prev[n.node_id])
+        wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
+    finally:
+        await st.close()
+    return {
+        "roster_size": roster_size,
+        "beats_per_s": beats / wall,
+        "redis_cpu_ms_per_beat": cpu / beats * 1e3,
+        "beats_per_redis_core_s": beats / cpu if cpu > 0 else float("inf"),
+    }
+
+
 def pct(samples: list[float], q: float) -> float:
     s = sorted(samples)
     return s[min(len(s) - 1, int(q * len(s)))] * 1e3
@@ -158,15 +195,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             row: dict[str, Any] = {}
             for path, port in ports.items():
                 samples = await latency(port, request, args.requests)
+                cpu0 = cpu_seconds(gateway.pid)
+                t0 = time.perf_counter()
                 rate = await throughput(port, request, args.concurrency, args.seconds)
+                done = rate * (time.perf_counter() - t0)
                 row[path] = {
                     "p50_ms": statistics.median(samples) * 1e3,
                     "p90_ms": pct(samples, 0.9),
                     "p99_ms": pct(samples, 0.99),
                     "rps": rate,
                 }
+                if path == "gateway":
+                    per = (cpu_seconds(gateway.pid) - cpu0) / max(done, 1)
+                    row[path]["gateway_cpu_us_per_request"] = per * 1e6
+                    row[path]["rps_per_gateway_core"] = 1 / per if per > 0 else 0.0
             row["added_p50_ms"] = row["gateway"]["p50_ms"] - row["node"]["p50_ms"]
             out[kind] = row
+        assert redis.proc is not None
+        out["heartbeats"] = await heartbeat_capacity(redis.url, redis.proc.pid, 100, 2000)
         return out
     finally:
         if gateway is not None and gateway.poll() is None:
@@ -198,6 +244,17 @@ def main() -> None:
                 f"{r['p99_ms']:>8.2f}{r['rps']:>9.0f}"
             )
         print(f"{'':<9}{'added':<9}{out[kind]['added_p50_ms']:>8.2f}")
+        g = out[kind]["gateway"]
+        print(
+            f"{'':<9}gateway CPU {g['gateway_cpu_us_per_request']:.0f} us/request = "
+            f"{g['rps_per_gateway_core']:.0f} req/s per gateway core"
+        )
+    hb = out["heartbeats"]
+    print(
+        f"heartbeats ({hb['roster_size']} sandboxes each): {hb['beats_per_s']:.0f}/s from one "
+        f"client, Redis CPU {hb['redis_cpu_ms_per_beat']:.2f} ms each = "
+        f"{hb['beats_per_redis_core_s']:.0f} per Redis core-second"
+    )
 
 
 if __name__ == "__main__":
