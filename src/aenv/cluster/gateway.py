@@ -99,6 +99,8 @@ class Gateway:
         if m := _BUILD_FILES.match(path):
             node = await self._node_of_files(m.group(1))
             return self.nodes.passthrough(request, node)
+        if path == "/templates/tags" and method in ("POST", "DELETE"):
+            return await self._tags(request)
         if m := _TEMPLATE.match(path):
             return await self._template(request, m.group(1))
         if m := _SNAPSHOT.match(path):
@@ -215,6 +217,14 @@ class Gateway:
             )
             return _plain(first)
         return self.nodes.passthrough(request, node)
+
+    async def _tags(self, request: Request) -> Response:
+        """Tags are assigned (`target`) or removed (`name`) where the template's builds are."""
+        body = await request.body()
+        doc = _json(body)
+        name = doc.get("target") or doc.get("name")
+        node = await (self._node_of_template(str(name)) if name else self.directory.any_node())
+        return _plain(await self.nodes.send(request, node, body=body))
 
     async def _node_of_template(self, template_id: str) -> NodeRecord:
         name = template_id.split(":", 1)[0]
