@@ -16,8 +16,6 @@ List-valued image settings accept a TOML/JSON list or a comma-separated string::
 
 from __future__ import annotations
 
-import hashlib
-import ipaddress
 import json
 import os
 import re
@@ -38,29 +36,9 @@ from pydantic_settings import (
     SettingsError,
 )
 
+from .nodenet import node_network
+
 GIB = 1 << 30
-# Nodes given an id take their slot range from here (a /19 each: 2048 slots), clear of the
-# single-node default 10.200.0.0/16.
-_NODE_NETS = ipaddress.IPv4Network("10.64.0.0/10")
-_NODE_NET_PREFIXLEN = 19
-
-
-def node_network(node_id: str) -> tuple[str, str]:
-    """The net prefix and slot range a node of this id uses unless told: stable across
-    restarts (checkpoints keep working), distinct for distinct ids with high likelihood."""
-    h = int.from_bytes(hashlib.sha256(node_id.encode()).digest()[:8], "big")
-    count = 1 << (_NODE_NET_PREFIXLEN - _NODE_NETS.prefixlen)
-    net = list(_NODE_NETS.subnets(new_prefix=_NODE_NET_PREFIXLEN))[h % count]
-    return f"an{_b36(h // count, 4)}", str(net)
-
-
-def _b36(n: int, width: int) -> str:
-    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
-    out = ""
-    for _ in range(width):
-        n, d = divmod(n, 36)
-        out = digits[d] + out
-    return out
 _DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
 Compression = Literal["auto", "none", "zstd"]

@@ -24,7 +24,7 @@ import pytest
 from e2b import Sandbox
 from e2b.exceptions import SandboxException
 
-from aenv.config import node_network
+from aenv.nodenet import node_network
 from tests.helpers import ROOT, RedisServer, free_port, wait_healthy, wait_until
 
 from .conftest import AENV, Server, running_server

@@ -19,8 +19,9 @@ from aenv.cluster.aggregate import merge_pages
 from aenv.cluster.records import NodeRecord, RosterEntry
 from aenv.cluster.scheduler import LeastLoaded, Placement, load_scheduler
 from aenv.cluster.state import ClusterState
-from aenv.config import Settings, node_network
+from aenv.config import Settings
 from aenv.errors import Unavailable
+from aenv.nodenet import node_network
 from aenv.runtime.network import SlotAddressing
 from tests.helpers import RedisServer, redis_server
 
