@@ -39,11 +39,11 @@ def advertise_url(settings: Settings) -> str:
 
 def roster_entry(r: SandboxRecord) -> RosterEntry:
     p = r.paused
-    movable = r.tier is not None and p is not None and p.published and p.image
     return RosterEntry(
         state="paused" if r.state is SandboxState.PAUSED else "running",
         tier=None if r.tier is None else r.tier.value,
-        image=p.image if movable and p is not None else None,
+        # Published hibernations only: what another node can take over.
+        image=p.image if r.tier is not None and p is not None and p.published else None,
         template_id=r.template_id,
         started_at=r.started_at.isoformat(),
     )

@@ -8,7 +8,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from ..config import Settings
 from ..errors import BadGateway, NotFound, Unavailable
@@ -45,12 +44,6 @@ class NodeLost(BadGateway):
         return {**super().to_json(), "sandboxId": self.sandbox_id}
 
 
-@dataclass
-class Located:
-    sandbox_id: str
-    node: NodeRecord
-
-
 class Directory:
     def __init__(
         self,
@@ -81,6 +74,10 @@ class Directory:
                             n.healthy = n.healthy and (n.url in ready or n.node_id in ready)
                     self._nodes, self._nodes_at = nodes, time.monotonic()
         return list(self._nodes)
+
+    def invalidate(self) -> None:
+        """The next read of the node table goes to Redis."""
+        self._nodes_at = 0.0
 
     async def node(self, node_id: str) -> NodeRecord:
         for n in await self.nodes():
@@ -131,13 +128,13 @@ class Directory:
         self.remember(sandbox_id, node_id)
         return node_id
 
-    async def locate(self, sandbox_id: str) -> Located:
+    async def locate(self, sandbox_id: str) -> NodeRecord:
         """The node holding a sandbox; NotFound if none does."""
         node_id = await self._owner(sandbox_id)
         if node_id is None:
             raise NotFound(f"sandbox {sandbox_id!r} not found")
         try:
-            return Located(sandbox_id, await self.node(node_id))
+            return await self.node(node_id)
         except NotFound:
             raise NotFound(f"sandbox {sandbox_id!r} not found") from None
 
@@ -147,7 +144,7 @@ class Directory:
         """The node to send a request about the sandbox to. A sandbox on a lost node (or,
         when it is to be resumed, a draining one) that is hibernated in the repository
         moves to another node first; on a lost node otherwise it is a clear 502 at once."""
-        node = (await self.locate(sandbox_id)).node
+        node = await self.locate(sandbox_id)
         if node.healthy and not (resume and node.status == "draining"):
             return node
         lock = self._moving.setdefault(sandbox_id, asyncio.Lock())

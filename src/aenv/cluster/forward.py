@@ -10,9 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ..errors import AenvError, BadGateway
@@ -108,26 +107,6 @@ class NodeClient:
             # The node builds absolute URLs (upload links) from it: they lead back here.
             out.append((b"x-forwarded-host", host.encode("latin-1")))
             out.append((b"host", host.encode("latin-1")))
-        return out
-
-    async def forward(
-        self, request: Request, node: NodeRecord, *, body: bytes | None = None
-    ) -> Response:
-        """Passes the request to the node and its answer back, streaming."""
-        url = httpx.URL(node.url + request.url.path, query=request.url.query.encode())
-        content: Any = body if body is not None else request.stream()
-        req = self.http.build_request(
-            request.method, url, headers=self._headers(request), content=content
-        )
-        try:
-            resp = await self.http.send(req, stream=True)
-        except httpx.TransportError as e:
-            raise NodeUnreachable(node, e) from e
-        headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in HOP_BY_HOP]
-        out = StreamingResponse(
-            resp.aiter_raw(), status_code=resp.status_code, background=BackgroundTask(resp.aclose)
-        )
-        out.raw_headers = headers
         return out
 
     async def send(

@@ -10,6 +10,7 @@ healthy node. Data plane: the node's own router, by sandbox id, streams passed t
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -26,7 +27,7 @@ from starlette.types import ASGIApp
 from ..config import Settings
 from ..domain import Upstream
 from ..errors import AenvError, BadRequest, NotFound, SandboxNotFound
-from ..proxy._common import ROUTING_HEADERS, Scope, Target
+from ..proxy._common import ROUTING_HEADERS, Scope
 from ..proxy.dispatch import Route as SandboxRoute
 from ..proxy.dispatch import SandboxRouter
 from .aggregate import merge_pages, node_view
@@ -302,30 +303,26 @@ class Gateway:
             if status not in ("ready", "draining"):
                 raise BadRequest("status must be ready or draining")
             await self.state.set_status(node_id, str(status))
-            self.directory._nodes_at = 0.0  # seen at once by this gateway's next placement
-        return await self.nodes.forward(request, node)
+            self.directory.invalidate()  # seen at once by this gateway's next placement
+        return _plain(await self.nodes.send(request, node))
 
 
 class GatewayRouter(SandboxRouter):
     """The data plane of a gateway: by sandbox id to its node, whose own router takes it
     from there (so the routing headers go along, and the Host is the client's)."""
 
-    def target(self, route: SandboxRoute, scope: Scope, upstream: Upstream) -> Target:
+    def target_headers(
+        self, route: SandboxRoute, scope: Scope, upstream: Upstream
+    ) -> list[tuple[bytes, bytes]]:
         headers = [(n, v) for n, v in scope["headers"] if n not in ROUTING_HEADERS]
-        headers += [
+        return [
+            *headers,
             (b"e2b-sandbox-id", route.sandbox_id.encode()),
             (b"e2b-sandbox-port", str(route.port).encode()),
         ]
-        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
-        return Target(
-            sandbox_id=route.sandbox_id,
-            sandbox_port=route.port,
-            host=upstream.host,
-            port=upstream.port,
-            raw_path=raw_path,
-            query=scope.get("query_string", b""),
-            headers=headers,
-        )
+
+    def target_path(self, route: SandboxRoute, scope: Scope) -> bytes:
+        return scope.get("raw_path") or scope["path"].encode()  # the node strips `/proxy`
 
 
 def _upstream(node: NodeRecord) -> Upstream:
@@ -334,8 +331,6 @@ def _upstream(node: NodeRecord) -> Upstream:
 
 
 def _json(raw: bytes) -> dict[str, Any]:
-    import json
-
     try:
         doc = json.loads(raw or b"{}")
     except ValueError:
@@ -344,8 +339,6 @@ def _json(raw: bytes) -> dict[str, Any]:
 
 
 def _json_list(raw: bytes) -> list[dict[str, Any]]:
-    import json
-
     try:
         doc = json.loads(raw or b"[]")
     except ValueError:

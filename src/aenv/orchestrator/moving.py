@@ -45,9 +45,9 @@ class Mover:
     async def drain(self) -> list[DrainResult]:
         """Takes no more creates and puts every sandbox into the repository (running ones
         are paused first): each resumes on whichever node its next resume reaches."""
-        self.ctx.draining = True
         if not self.templates.has_repository:
             raise Conflict("this node has no snapshot repository: nothing can move off it")
+        self.ctx.draining = True
         gate = asyncio.Semaphore(DRAIN_CONCURRENCY)
 
         async def one(sandbox_id: str) -> DrainResult:

@@ -287,20 +287,28 @@ class SandboxRouter:
             await self.ws.forward(scope, receive, send, target)
 
     def target(self, route: Route, scope: Scope, upstream: Upstream) -> Target:
-        """What of the request goes where (an extension point: a gateway in front of nodes
-        keeps the routing headers, for the node to route by)."""
-        raw_path: bytes = scope.get("raw_path") or quote(scope["path"]).encode()
-        if route.strip_proxy_prefix:
-            raw_path = raw_path[len(b"/proxy") :] or b"/"
         return Target(
             sandbox_id=route.sandbox_id,
             sandbox_port=route.port,
             host=upstream.host,
             port=upstream.port,
-            raw_path=raw_path,
+            raw_path=self.target_path(route, scope),
             query=scope.get("query_string", b""),
-            headers=_forwarded_headers(scope["headers"], upstream.host_header),
+            headers=self.target_headers(route, scope, upstream),
         )
+
+    # Extension points: a gateway in front of nodes keeps the routing headers and the path
+    # as they came, for the node to route by.
+    def target_headers(
+        self, route: Route, scope: Scope, upstream: Upstream
+    ) -> list[tuple[bytes, bytes]]:
+        return _forwarded_headers(scope["headers"], upstream.host_header)
+
+    def target_path(self, route: Route, scope: Scope) -> bytes:
+        raw_path: bytes = scope.get("raw_path") or quote(scope["path"]).encode()
+        if route.strip_proxy_prefix:
+            raw_path = raw_path[len(b"/proxy") :] or b"/"
+        return raw_path
 
     @staticmethod
     async def _error(scope: Scope, send: Send, status: int, payload: dict[str, object]) -> None:
