@@ -375,7 +375,12 @@ def test_ls_table_and_json(cli: CliRunner, fake: FakeAenv) -> None:
     fake.add("sbx-b", state="paused", cpuCount=4, memoryMB=2048)
     fake.add("sbx-c", metadata={"team": "beta"})
 
+    # Not a terminal: JSON unless a table is asked for.
     res = cli.invoke(app, ["ls"])
+    assert res.exit_code == 0, res.output
+    assert sorted(s["sandboxID"] for s in json.loads(res.stdout)) == ["sbx-a", "sbx-b", "sbx-c"]
+
+    res = cli.invoke(app, ["ls", "-o", "table"])
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
     assert lines[0].split() == [

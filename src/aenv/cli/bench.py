@@ -131,7 +131,15 @@ def bench(
     ] = None,
 ) -> None:
     """Benchmark a server through its HTTP API (and raw runsc as the baseline); writes
-    bench/results/latest.json and prints the table."""
+    bench/results/latest.json and prints the table.
+
+    Examples:
+
+    ```
+    sudo aenv bench --quick
+    aenv bench --url http://10.0.0.5:8000
+    ```
+    """
     try:
         from bench import harness, report
         from bench.client import BenchError

@@ -134,6 +134,14 @@ class ControlPlane:
             raise CliError("the server's create answer has no sandboxID")
         return data
 
+    def create_cold_sandbox(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`POST /sandboxes-cold`: a sandbox straight from an OCI image (`body["image"]`)."""
+        resp = self.request("POST", "/sandboxes-cold", json=body, ok=(201, 200), timeout=600.0)
+        data = self._json(resp)
+        if not isinstance(data, dict) or "sandboxID" not in data:
+            raise CliError("the server's create answer has no sandboxID")
+        return data
+
     def list_sandboxes(
         self, *, state: str | None = None, metadata: Mapping[str, str] | None = None
     ) -> list[dict[str, Any]]:

@@ -7,10 +7,11 @@ is `aenv.envd_wire`'s.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import ssl
 from collections.abc import Iterator
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
@@ -66,6 +67,7 @@ class EnvdClient:
     ) -> None:
         self.url = url.rstrip("/")
         self.sandbox_id = sandbox_id
+        self.user = user
         self._args = (url, sandbox_id, access_token)
         self._kwargs: dict[str, Any] = {
             "user": user,
@@ -153,6 +155,48 @@ class EnvdClient:
         raise ConnectError(
             "unavailable", f"{method}: stream ended without an end-of-stream message"
         )
+
+    # -- envd's /files (plain HTTP beside the RPCs) ------------------------------------------
+
+    def _file_params(self, path: str) -> dict[str, str]:
+        params = {"path": path}
+        if self.user:
+            params["username"] = self.user
+        return params
+
+    def upload(self, path: str, data: IO[bytes], filename: str) -> None:
+        """`POST /files?path=`: one file as a multipart part, as the E2B SDK writes it
+        (streamed from `data`; envd creates the parents)."""
+        try:
+            resp = self._http.post(
+                "/files",
+                params=self._file_params(path),
+                files={"file": (filename, data, "application/octet-stream")},
+                timeout=httpx.Timeout(self._timeout, write=None, read=None),
+            )
+        except httpx.TransportError as exc:
+            raise transport_error(self.url, exc) from None
+        if resp.status_code != 200:
+            raise CliError(f"{path}: {server_message(resp)}", status=resp.status_code)
+
+    @contextlib.contextmanager
+    def download(self, path: str) -> Iterator[httpx.Response]:
+        """`GET /files?path=`: the file's bytes (read the answer inside the `with`)."""
+        try:
+            with self._http.stream(
+                "GET",
+                "/files",
+                params=self._file_params(path),
+                # Bytes as they are: no gzip work for envd, and the sizes stay true.
+                headers={"Accept-Encoding": "identity"},
+                timeout=httpx.Timeout(self._timeout, read=None),
+            ) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    raise CliError(f"{path}: {server_message(resp)}", status=resp.status_code)
+                yield resp
+        except httpx.TransportError as exc:
+            raise transport_error(self.url, exc) from None
 
     def process(
         self, method: str, message: dict[str, Any], *, timeout_ms: int | None = None

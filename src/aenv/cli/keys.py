@@ -36,7 +36,12 @@ def _on_disk(store: KeyStore) -> Iterator[None]:
 def keys_create(ctx: typer.Context, name: NameArg) -> None:
     """Create an API key and print it (only this once: the node keeps a hash).
 
-    Example: export E2B_API_KEY=$(aenv keys create ci)
+    Example:
+
+    ```
+    sudo aenv keys create ci
+    export E2B_API_KEY=$(sudo aenv keys create ci)
+    ```
     """
     store = _store(ctx)
     with _on_disk(store):
@@ -48,7 +53,12 @@ def keys_create(ctx: typer.Context, name: NameArg) -> None:
 def keys_ls(ctx: typer.Context, output: OutputOpt = OutputFormat.table) -> None:
     """List the API keys (name, the key's first characters, creation time).
 
-    Example: aenv keys ls -o json
+    Example:
+
+    ```
+    sudo aenv keys ls
+    sudo aenv keys ls -o json
+    ```
     """
     store = _store(ctx)
     with _on_disk(store):
@@ -73,7 +83,11 @@ def keys_rm(
 ) -> None:
     """Revoke an API key; requests with it get 401 from now on, without a restart.
 
-    Example: aenv keys rm ci
+    Example:
+
+    ```
+    sudo aenv keys rm ci
+    ```
     """
     settings = state_of(ctx).settings()
     store = KeyStore.of(settings)

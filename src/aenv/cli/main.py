@@ -7,48 +7,96 @@ here in the order `aenv --help` lists them.
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
+import traceback
 from typing import Annotated, Any, NoReturn
 
 import typer
+from typer import _click
 from typer.core import TyperGroup
 
 from .. import __version__
 from ..config import Settings
 from ..errors import AenvError
-from . import keys, nodes, sandboxes, snapshots, templates, volumes
+from . import auth, copy, keys, nodes, observe, sandboxes, snapshots, tags, templates, volumes
 from .bench import bench
 from .errors import CliError, one_line
 from .state import CliState, state_of
 
 
 class AenvGroup(TyperGroup):
-    """Turns expected failures into one `aenv: <message>` line on stderr (no traceback)."""
+    """Turns every failure into one `aenv: <message>` line on stderr and a non-zero exit
+    code: expected ones (CliError, AenvError), usage errors (exit code 2), local I/O errors
+    and, as a last resort, unexpected exceptions. `--debug` (or AENV_DEBUG=1) adds the
+    traceback."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().make_context(*args, **kwargs)
+        except _click.exceptions.UsageError as exc:
+            _usage_fail(exc)
 
     def invoke(self, ctx: Any) -> Any:  # typer's (vendored) click.Context
         try:
             return super().invoke(ctx)
         except CliError as exc:
-            _fail(exc.message, exc.exit_code)
+            _fail(exc.message, exc.exit_code, ctx)
         except AenvError as exc:  # from in-process work: `server`, `template build-base`
-            _fail(exc.message)
+            _fail(exc.message, 1, ctx)
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
+        except _click.exceptions.UsageError as exc:
+            _usage_fail(exc)
+        except (_click.exceptions.ClickException, typer.Exit, typer.Abort):
+            raise
+        except OSError as exc:
+            if exc.errno == errno.EPIPE:
+                raise  # typer's main exits quietly on a closed pipe (`aenv ls | head`)
+            where = f"{exc.filename}: " if exc.filename else ""
+            _fail(f"{where}{exc.strerror or exc}", 1, ctx)
+        except Exception as exc:  # a bug: still one line, the traceback with --debug
+            _fail(
+                f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the "
+                "traceback)",
+                1,
+                ctx,
+            )
 
 
-def _fail(message: str, code: int = 1) -> NoReturn:
+def _debug(ctx: Any) -> bool:
+    obj = ctx.find_root().obj if ctx is not None else None
+    if isinstance(obj, CliState) and obj.debug:
+        return True
+    return os.environ.get("AENV_DEBUG", "").lower() in ("1", "true", "yes")
+
+
+def _fail(message: str, code: int = 1, ctx: Any = None) -> NoReturn:
+    if _debug(ctx):
+        traceback.print_exc()
     sys.stderr.write(f"aenv: {one_line(message)}\n")
     sys.stderr.flush()
     raise typer.Exit(code)
 
 
+def _usage_fail(exc: Any) -> NoReturn:
+    """A usage error as one line naming the command's --help (exit code 2, as click's)."""
+    if isinstance(exc, _click.exceptions.NoArgsIsHelpError):
+        raise exc  # `aenv template` alone: the help, as asked for
+    path = exc.ctx.command_path if exc.ctx is not None else "aenv"
+    sys.stderr.write(f"aenv: {one_line(exc.format_message())} (see `{path} --help`)\n")
+    sys.stderr.flush()
+    raise typer.Exit(exc.exit_code)
+
+
 app = typer.Typer(
     name="aenv",
     cls=AenvGroup,
-    help="Run and manage aenv sandboxes (E2B-compatible, on gVisor).",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_show_locals=False,
+    rich_markup_mode="markdown",
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 template_app = typer.Typer(help="Manage templates.", no_args_is_help=True)
@@ -59,6 +107,9 @@ volume_app = typer.Typer(
     help="Volumes: named directories sandboxes mount (E2B's Volume).", no_args_is_help=True
 )
 node_app = typer.Typer(help="Nodes of a cluster (through a gateway).", no_args_is_help=True)
+tags_app = typer.Typer(
+    help="A template's tags: names of its builds (E2B's template tags).", no_args_is_help=True
+)
 keys_app = typer.Typer(
     help="API keys of this node (run on the node host; no server needed).", no_args_is_help=True
 )
@@ -97,8 +148,30 @@ def main(
         bool,
         typer.Option("--version", callback=_version, is_eager=True, help="Show the version."),
     ] = False,
+    debug: Annotated[
+        bool,
+        typer.Option("--debug", envvar="AENV_DEBUG", help="Show the traceback of an error, too."),
+    ] = False,
 ) -> None:
-    ctx.obj = CliState(url_option=url, api_key_option=api_key)
+    """Run and manage aenv sandboxes (E2B-compatible, on gVisor).
+
+    Quick start:
+
+    ```
+    aenv auth                        # store a server URL and API key
+    aenv status                      # server, version, capacity
+    aenv start                       # a shell in a new `base` sandbox
+    aenv start -d --cpu 2            # in the background: prints the ID
+    aenv exec ID -- python3 -V       # run a command in it
+    aenv cp ./src ID:/home/user/     # copy a tree in (swap: out)
+    aenv ls                          # sandboxes (JSON when piped)
+    aenv rm ID
+    ```
+
+    Every command has examples in its --help. Errors are one `aenv: ...` line on stderr
+    with a non-zero exit code (--debug adds the traceback).
+    """
+    ctx.obj = CliState(url_option=url, api_key_option=api_key, debug=debug)
 
 
 ListenOption = Annotated[
@@ -117,58 +190,87 @@ def _served_settings(ctx: typer.Context, listen: str | None) -> Settings:
 
 
 def server(ctx: typer.Context, listen: ListenOption = None) -> None:
-    """Run the aenv server (control plane and sandbox proxy on one port)."""
+    """Run the aenv server (control plane and sandbox proxy on one port).
+
+    Examples:
+
+    ```
+    sudo aenv server
+    sudo aenv server --listen 0.0.0.0:8000
+    ```
+    """
     from ..server import serve
 
     serve(_served_settings(ctx, listen))
 
 
 def gateway(ctx: typer.Context, listen: ListenOption = None) -> None:
-    """Run a gateway: the same API in front of the nodes of a cluster (needs AENV_REDIS_URL)."""
+    """Run a gateway: the same API in front of the nodes of a cluster (needs AENV_REDIS_URL).
+
+    Examples:
+
+    ```
+    AENV_REDIS_URL=redis://10.0.0.2:6379 aenv gateway --listen 0.0.0.0:8080
+    ```
+    """
     from ..cluster.serve import serve_gateway
 
     serve_gateway(_served_settings(ctx, listen))
 
 
-app.command("fork")(snapshots.fork)
-app.command("bench")(bench)
-app.command("server")(server)
-app.command("gateway")(gateway)
-app.command("start")(sandboxes.start)
-app.command("connect")(sandboxes.connect_)
-app.command("exec")(sandboxes.exec_)
-app.command("ls")(sandboxes.ls)
-app.command("rm")(sandboxes.rm)
-app.command("pause")(sandboxes.pause)
-app.command("resume")(sandboxes.resume)
-app.command("timeout")(sandboxes.timeout_)
-app.command("info")(sandboxes.info)
-app.command("pull")(templates.pull)
-app.command("build")(templates.build)
+# The command table, in the order `aenv --help` lists it, grouped into panels.
+SANDBOXES, FILES, IMAGES, SETUP = "Sandboxes", "Files and observability", "Templates", "Setup"
 
-app.add_typer(template_app, name="template")
-template_app.command("ls")(templates.template_ls)
-template_app.command("build-base")(templates.template_build_base)
-template_app.command("build-code-interpreter")(templates.template_build_code_interpreter)
-template_app.command("rm")(templates.template_rm)
+app.command("auth", rich_help_panel=SETUP)(auth.auth)
+app.command("status", rich_help_panel=SETUP)(auth.status)
+app.command("start", rich_help_panel=SANDBOXES)(sandboxes.start)
+app.command("connect", rich_help_panel=SANDBOXES)(sandboxes.connect_)
+app.command("exec", rich_help_panel=SANDBOXES)(sandboxes.exec_)
+app.command("ls", rich_help_panel=SANDBOXES)(sandboxes.ls)
+app.command("inspect", rich_help_panel=SANDBOXES)(sandboxes.inspect)
+app.command("info", hidden=True)(sandboxes.inspect)  # the old name of `inspect`
+app.command("rm", rich_help_panel=SANDBOXES)(sandboxes.rm)
+app.command("pause", rich_help_panel=SANDBOXES)(sandboxes.pause)
+app.command("resume", rich_help_panel=SANDBOXES)(sandboxes.resume)
+app.command("timeout", rich_help_panel=SANDBOXES)(sandboxes.timeout_)
+app.command("fork", rich_help_panel=SANDBOXES)(snapshots.fork)
+app.command("cp", rich_help_panel=FILES)(copy.cp)
+app.command("logs", rich_help_panel=FILES)(observe.logs)
+app.command("top", rich_help_panel=FILES)(observe.top)
+app.command("pull", rich_help_panel=IMAGES)(templates.pull)
+app.command("build", rich_help_panel=IMAGES)(templates.build)
+app.command("server", rich_help_panel=SETUP)(server)
+app.command("gateway", rich_help_panel=SETUP)(gateway)
+app.command("bench", rich_help_panel=SETUP)(bench)
 
-app.add_typer(snapshot_app, name="snapshot")
+app.add_typer(snapshot_app, name="snapshot", rich_help_panel=SANDBOXES)
 snapshot_app.command("create")(snapshots.snapshot_create)
 snapshot_app.command("ls")(snapshots.snapshot_ls)
+snapshot_app.command("rm")(snapshots.snapshot_rm)
 
-app.add_typer(volume_app, name="volume")
+app.add_typer(volume_app, name="volume", rich_help_panel=FILES)
 volume_app.command("create")(volumes.volume_create)
 volume_app.command("ls")(volumes.volume_ls)
 volume_app.command("rm")(volumes.volume_rm)
 volume_app.command("files")(volumes.volume_files)
 volume_app.command("cp")(volumes.volume_cp)
 
-app.add_typer(node_app, name="node")
+app.add_typer(template_app, name="template", rich_help_panel=IMAGES)
+template_app.command("ls")(templates.template_ls)
+template_app.command("rm")(templates.template_rm)
+template_app.add_typer(tags_app, name="tags")
+tags_app.command("ls")(tags.tags_ls)
+tags_app.command("add")(tags.tags_add)
+tags_app.command("rm")(tags.tags_rm)
+template_app.command("build-base")(templates.template_build_base)
+template_app.command("build-code-interpreter")(templates.template_build_code_interpreter)
+
+app.add_typer(node_app, name="node", rich_help_panel=SETUP)
 node_app.command("ls")(nodes.node_ls)
 node_app.command("drain")(nodes.node_drain)
 node_app.command("undrain")(nodes.node_undrain)
 
-app.add_typer(keys_app, name="keys")
+app.add_typer(keys_app, name="keys", rich_help_panel=SETUP)
 keys_app.command("create")(keys.keys_create)
 keys_app.command("ls")(keys.keys_ls)
 keys_app.command("rm")(keys.keys_rm)

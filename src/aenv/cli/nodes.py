@@ -21,7 +21,15 @@ def node_ls(
     ctx: typer.Context,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """List the nodes and their status, sandboxes and free memory."""
+    """List the nodes and their status, sandboxes and free memory.
+
+    Examples:
+
+    ```
+    aenv node ls
+    aenv --url http://gateway:8080 node ls --json
+    ```
+    """
     with state_of(ctx).control() as cp:
         items = cp.request("GET", "/nodes").json()
     print_listing(items, as_json=json_out, empty="no nodes", table=_node_table)
@@ -47,7 +55,14 @@ def node_drain(
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Take no new sandboxes on NODE and hibernate its sandboxes into the shared
-    repository: each resumes on another node (through a gateway) the next time it is used."""
+    repository: each resumes on another node (through a gateway) the next time it is used.
+
+    Examples:
+
+    ```
+    aenv node drain node-a
+    ```
+    """
     print(f"draining node {node}: hibernating and uploading its sandboxes...", file=sys.stderr)
     with state_of(ctx).control() as cp:
         doc = cp.request(
@@ -68,7 +83,14 @@ def node_drain(
 
 
 def node_undrain(ctx: typer.Context, node: NodeArg) -> None:
-    """Let NODE take new sandboxes again."""
+    """Let NODE take new sandboxes again.
+
+    Examples:
+
+    ```
+    aenv node undrain node-a
+    ```
+    """
     with state_of(ctx).control() as cp:
         cp.request("POST", f"/nodes/{url_segment(node)}", json={"status": "ready"})
     print(f"node {node} is ready")

@@ -25,6 +25,29 @@ EnvOpt = Annotated[
     typer.Option("--env", "-e", metavar="KEY=VALUE", help="Environment variable (repeatable)."),
 ]
 OutputOpt = Annotated[OutputFormat, typer.Option("--output", "-o", help="Output format.")]
+AutoOutputOpt = Annotated[
+    OutputFormat | None,
+    typer.Option(
+        "--output",
+        "-o",
+        help="Output format (default: table on a terminal, json when piped).",
+        show_default=False,
+    ),
+]
+
+
+def stdout_is_tty() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def wants_json(output: OutputFormat | None) -> bool:
+    """JSON when asked for, or by default when stdout is not a terminal (a pipe, a file)."""
+    if output is None:
+        return not stdout_is_tty()
+    return output is OutputFormat.json
 
 
 def pairs(values: list[str] | None, option: str) -> dict[str, str]:

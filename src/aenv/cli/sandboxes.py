@@ -1,10 +1,13 @@
 """The sandbox commands: `start`, `connect`, `exec`, `ls`, `rm`, `pause`, `resume`, `timeout`
-and `info`."""
+and `inspect` (`info`, its old name, is a hidden alias)."""
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
@@ -12,7 +15,17 @@ import typer
 from .client import ControlPlane
 from .connect import ConnectError
 from .errors import CliError
-from .options import CwdOpt, EnvOpt, OutputFormat, OutputOpt, UserOpt, note, pairs
+from .options import (
+    AutoOutputOpt,
+    CwdOpt,
+    EnvOpt,
+    OutputFormat,
+    OutputOpt,
+    UserOpt,
+    note,
+    pairs,
+    wants_json,
+)
 from .state import CliState, state_of
 from .volumes import mount_specs
 
@@ -36,9 +49,48 @@ def _keepalive_interval(timeout: int) -> float:
     return float(max(5, min(60, timeout // 3)))
 
 
+# What `exec` keeps its sandbox alive for, pushed forward every minute while it runs.
+EXEC_KEEPALIVE = 300
+
+
+@contextlib.contextmanager
+def keep_alive(state: CliState, sandbox_id: str, seconds: int = EXEC_KEEPALIVE) -> Iterator[None]:
+    """While the block runs, push the sandbox's end to at least `seconds` from now, at once
+    and then every `_keepalive_interval(seconds)` (connect only extends, never shortens;
+    failures are ignored: the command's own stream reports a sandbox that is gone)."""
+    stop = threading.Event()
+
+    def run() -> None:
+        with contextlib.suppress(CliError), state.control() as cp:
+            while True:
+                with contextlib.suppress(CliError):
+                    cp.connect(sandbox_id, seconds)
+                if stop.wait(_keepalive_interval(seconds)):
+                    return
+
+    thread = threading.Thread(target=run, name="aenv-keepalive", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=2.0)
+
+
 def start(
     ctx: typer.Context,
-    template: Annotated[str, typer.Argument(help="Template name or ID.")] = "base",
+    template: Annotated[
+        str | None, typer.Argument(help="Template name or ID (default: base).")
+    ] = None,
+    cold: Annotated[
+        str | None,
+        typer.Option(
+            "--cold",
+            metavar="IMAGE",
+            help="Start straight from an OCI image instead of a template (pulled first, "
+            "with progress).",
+        ),
+    ] = None,
     detach: Annotated[
         bool, typer.Option("--detach", "-d", help="Print the sandbox ID and exit.")
     ] = False,
@@ -73,14 +125,38 @@ def start(
         ),
     ] = None,
 ) -> None:
-    """Create a sandbox and open an interactive shell in it (removed when the shell exits)."""
+    """Create a sandbox and open an interactive shell in it (removed when the shell exits).
+
+    The shell runs on a PTY: the terminal is raw while attached, window resizes are
+    forwarded, and it is restored when the shell exits, fails or is cut off. The sandbox
+    is kept alive while the shell is attached. With stdin not a terminal, stdin is typed
+    into the shell, then ^D.
+
+    Examples:
+
+    ```
+    aenv start                                 # a shell in a fresh `base` sandbox
+    aenv start python-3 --cpu 2 --memory 2048 -e DEBUG=1 -m team=ml
+    aenv start -d --timeout 3600               # print the id, leave it running
+    aenv start --cold python:3.12-slim         # from an image, no template needed
+    aenv start --keep -v data:/mnt/data        # keep it after exit; mount a volume
+    ```
+    """
     state = state_of(ctx)
+    if cold and template:
+        raise CliError("give a TEMPLATE or --cold IMAGE, not both")
+    if cold and volume:
+        raise CliError("--volume is not available with --cold")
+    label = cold or template or "base"
     body: dict[str, Any] = {
-        "templateID": template,
         "timeout": timeout,
         "metadata": pairs(metadata, "--metadata"),
         "envVars": pairs(env, "--env"),
     }
+    if cold:
+        body["image"] = cold
+    else:
+        body["templateID"] = template or "base"
     if cpu is not None:
         body["cpuCount"] = cpu
     if memory is not None:
@@ -90,7 +166,7 @@ def start(
     if volume:
         body["volumeMounts"] = mount_specs(volume)
     with state.control() as cp:
-        sandbox = cp.create_sandbox(body)
+        sandbox = _create_cold(cp, body) if cold else cp.create_sandbox(body)
         sandbox_id = str(sandbox["sandboxID"])
         if detach:
             print(sandbox_id)
@@ -100,7 +176,7 @@ def start(
         try:
             if _stdin_is_tty():
                 note(
-                    f"sandbox {sandbox_id} ({template}); "
+                    f"sandbox {sandbox_id} ({label}); "
                     + ("it is kept" if keep else "it is removed")
                     + " when the shell exits"
                 )
@@ -117,6 +193,18 @@ def start(
                 except CliError as exc:
                     note(f"could not remove sandbox {sandbox_id}: {exc.message}")
     raise typer.Exit(code)
+
+
+def _create_cold(cp: ControlPlane, body: dict[str, Any]) -> dict[str, Any]:
+    """`POST /sandboxes-cold`, after pulling the image with a progress bar (the create then
+    finds its layers cached; it does not report progress itself)."""
+    from .templates import pull_image
+
+    pulled = pull_image(cp, str(body["image"]))
+    ref, digest = str(pulled.get("reference") or body["image"]), str(pulled.get("digest") or "")
+    if digest:  # exactly what was pulled, even if the tag moves meanwhile
+        body = dict(body, image=f"{ref.partition('@')[0]}@{digest}")
+    return cp.create_cold_sandbox(body)
 
 
 def _shell(
@@ -156,7 +244,17 @@ def connect_(
     user: UserOpt = None,
     cwd: CwdOpt = None,
 ) -> None:
-    """Open an interactive shell in an existing sandbox (resumes it if paused)."""
+    """Open an interactive shell in an existing sandbox (resumes it if paused).
+
+    The sandbox is kept alive while attached; it keeps running after the shell exits.
+
+    Examples:
+
+    ```
+    aenv connect i1a2b3c4d5
+    aenv connect i1a2b3c4d5 -u root -w /etc
+    ```
+    """
     state = state_of(ctx)
     with state.control() as cp:
         sandbox = cp.connect(sandbox_id, timeout)
@@ -178,30 +276,46 @@ def exec_(
     cwd: CwdOpt = None,
     env: EnvOpt = None,
     stdin: Annotated[
-        bool, typer.Option("--stdin", "-i", help="Forward local stdin to the command.")
-    ] = False,
+        bool | None,
+        typer.Option(
+            "--stdin/--no-stdin",
+            "-i/-I",
+            help="Forward local stdin to the command (default: when stdin is not a terminal).",
+            show_default=False,
+        ),
+    ] = None,
     timeout: Annotated[
         int | None,
         typer.Option("--timeout", "-t", min=1, help="Kill the command after SECS seconds."),
     ] = None,
 ) -> None:
-    """Run a command in a sandbox, streaming its output; exits with its exit code."""
+    """Run a command in a sandbox, streaming its output; exits with its exit code.
+
+    Piped stdin is forwarded to the command (force with -i, turn off with -I). The sandbox
+    is kept alive while the command runs. One argument is a shell line; several are an argv.
+
+    Examples:
+
+    ```
+    aenv exec i1a2b3c4d5 -- ls -la /home/user
+    aenv exec i1a2b3c4d5 'ps aux | grep python'
+    echo 'print(6*7)' | aenv exec i1a2b3c4d5 -- python3 -
+    aenv exec i1a2b3c4d5 -u root -w /etc -e LANG=C -t 30 -- cat os-release
+    ```
+    """
     from .session import run_command
 
     state = state_of(ctx)
     envs = pairs(env, "--env")
-    with state.control() as cp:
-        info = cp.get_sandbox(sandbox_id)
-    if info.get("state") == "paused":
-        raise CliError(f"sandbox {sandbox_id} is paused; resume it with `aenv resume {sandbox_id}`")
-    with state.envd(sandbox_id, info.get("envdAccessToken"), user) as envd:
+    forward = (not _stdin_is_tty()) if stdin is None else stdin
+    with state.envd_of(sandbox_id, user) as envd, keep_alive(state, sandbox_id):
         try:
             code = run_command(
                 envd,
                 _join_command(command),
                 envs=envs,
                 cwd=cwd,
-                forward_stdin=stdin,
+                forward_stdin=forward,
                 timeout_ms=timeout * 1000 if timeout else None,
             )
         except ConnectError as exc:
@@ -226,9 +340,19 @@ def ls(
             "--metadata", "-m", metavar="KEY=VALUE", help="Filter by metadata (repeatable)."
         ),
     ] = None,
-    output: OutputOpt = OutputFormat.table,
+    output: AutoOutputOpt = None,
 ) -> None:
-    """List sandboxes."""
+    """List sandboxes: a table on a terminal, JSON when piped (or as -o says).
+
+    Examples:
+
+    ```
+    aenv ls
+    aenv ls -s paused
+    aenv ls -m team=ml -m env=dev -o table
+    aenv ls | jq -r '.[].sandboxID'
+    ```
+    """
     from .output import print_listing, sandbox_table
 
     if state_filter:
@@ -239,16 +363,22 @@ def ls(
         state_filter = ",".join(states)
     with state_of(ctx).control() as cp:
         sandboxes = cp.list_sandboxes(state=state_filter, metadata=pairs(metadata, "--metadata"))
-    print_listing(
-        sandboxes, as_json=output is OutputFormat.json, empty="no sandboxes", table=sandbox_table
-    )
+    print_listing(sandboxes, as_json=wants_json(output), empty="no sandboxes", table=sandbox_table)
 
 
 def rm(
     ctx: typer.Context,
     sandbox_ids: Annotated[list[str], typer.Argument(metavar="ID...", help="Sandbox IDs.")],
 ) -> None:
-    """Remove (kill) sandboxes; prints each removed ID."""
+    """Remove (kill) sandboxes; prints each removed ID.
+
+    Examples:
+
+    ```
+    aenv rm i1a2b3c4d5
+    aenv ls -s paused | jq -r '.[].sandboxID' | xargs aenv rm
+    ```
+    """
     failed = False
     with state_of(ctx).control() as cp:
         for sandbox_id in sandbox_ids:
@@ -270,7 +400,14 @@ def pause(
     ctx: typer.Context,
     sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="Sandbox ID.")],
 ) -> None:
-    """Pause a running sandbox (memory and filesystem are kept)."""
+    """Pause a running sandbox (memory and filesystem are kept).
+
+    Examples:
+
+    ```
+    aenv pause i1a2b3c4d5
+    ```
+    """
     with state_of(ctx).control() as cp:
         cp.pause(sandbox_id)
     print(sandbox_id)
@@ -284,7 +421,14 @@ def resume(
         typer.Option("--timeout", "-t", min=1, help="Seconds to live from now."),
     ] = None,
 ) -> None:
-    """Resume a paused sandbox (a no-op for a running one)."""
+    """Resume a paused sandbox (a no-op for a running one).
+
+    Examples:
+
+    ```
+    aenv resume i1a2b3c4d5 --timeout 600
+    ```
+    """
     with state_of(ctx).control() as cp:
         cp.connect(sandbox_id, timeout)
     print(sandbox_id)
@@ -297,18 +441,33 @@ def timeout_(
         int, typer.Argument(metavar="SECS", min=0, help="Seconds to live from now.")
     ],
 ) -> None:
-    """Set a sandbox's remaining lifetime."""
+    """Set a sandbox's remaining lifetime.
+
+    Examples:
+
+    ```
+    aenv timeout i1a2b3c4d5 3600
+    ```
+    """
     with state_of(ctx).control() as cp:
         cp.set_timeout(sandbox_id, seconds)
     print(sandbox_id)
 
 
-def info(
+def inspect(
     ctx: typer.Context,
     sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="Sandbox ID.")],
     output: OutputOpt = OutputFormat.table,
 ) -> None:
-    """Show a sandbox's details."""
+    """Show a sandbox's details.
+
+    Examples:
+
+    ```
+    aenv inspect i1a2b3c4d5
+    aenv inspect i1a2b3c4d5 -o json | jq .endAt
+    ```
+    """
     from .output import info_table, print_json, print_table
 
     with state_of(ctx).control() as cp:

@@ -1,4 +1,4 @@
-"""`aenv snapshot create|ls` and `aenv fork`."""
+"""`aenv snapshot create|ls|rm` and `aenv fork`."""
 
 from __future__ import annotations
 
@@ -23,7 +23,18 @@ def snapshot_create(
         ),
     ] = False,
 ) -> None:
-    """Snapshot a sandbox (files, memory, processes); it keeps running. Prints the id."""
+    """Snapshot a sandbox (files, memory, processes); it keeps running. Prints the id.
+
+    A snapshot is a template: start sandboxes from it with `aenv start SNAPSHOT`.
+
+    Examples:
+
+    ```
+    aenv snapshot create i1a2b3c4d5 --name warm-py
+    aenv snapshot create i1a2b3c4d5 --filesystem     # files only
+    aenv start warm-py
+    ```
+    """
     body: dict[str, Any] = {} if name is None else {"name": name}
     if filesystem:
         body["memory"] = False
@@ -45,7 +56,15 @@ def snapshot_ls(
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """List snapshots."""
+    """List snapshots.
+
+    Examples:
+
+    ```
+    aenv snapshot ls
+    aenv snapshot ls --sandbox-id i1a2b3c4d5 --json
+    ```
+    """
     params = {"sandboxID": sandbox_id} if sandbox_id else {}
     items: list[dict[str, Any]] = []
     with state_of(ctx).control() as cp:
@@ -58,6 +77,28 @@ def snapshot_ls(
             if not token:
                 break
     print_listing(items, as_json=json_out, empty="no snapshots", table=_snapshot_table)
+
+
+def snapshot_rm(
+    ctx: typer.Context,
+    snapshots: Annotated[
+        list[str], typer.Argument(metavar="SNAPSHOT...", help="Snapshot IDs or names.")
+    ],
+) -> None:
+    """Delete snapshots (they are templates: this is `aenv template rm`); prints each one.
+
+    Sandboxes already started from a snapshot keep running.
+
+    Examples:
+
+    ```
+    aenv snapshot rm warm-py
+    aenv snapshot ls --json | jq -r '.[].snapshotID' | xargs aenv snapshot rm
+    ```
+    """
+    from .templates import delete_templates
+
+    delete_templates(ctx, snapshots)
 
 
 def _snapshot_table(items: list[dict[str, Any]]) -> Table:
@@ -77,9 +118,17 @@ def fork(
         int | None, typer.Option("--timeout", "-t", min=1, help="Children's lifetime (s).")
     ] = None,
 ) -> None:
-    """Fork a running or paused sandbox into N children that continue from its memory (a
-    files-only paused one: boot fresh on its files); prints their ids (a failed child is
-    reported on stderr and makes the exit code 1)."""
+    """Fork a running or paused sandbox into N children that continue from its memory.
+
+    A files-only paused sandbox's children boot fresh on its files. Prints the children's
+    ids; a failed child is reported on stderr and makes the exit code 1.
+
+    Examples:
+
+    ```
+    aenv fork i1a2b3c4d5 --count 4 --timeout 600
+    ```
+    """
     body: dict[str, Any] = {"count": count}
     if timeout is not None:
         body["timeout"] = timeout

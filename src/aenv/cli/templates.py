@@ -92,11 +92,47 @@ class PullProgress:
             self.console.print(f"{short}: {what}", highlight=False)
 
 
+def pull_image(
+    cp: ControlPlane, image: str, registry: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Pull `image` on the server with a progress bar per layer (stderr); the pulled image's
+    record (`reference`, `digest`, `size`), also summed up on stderr."""
+    body: dict[str, Any] = {"image": image}
+    if registry:
+        body["registry"] = registry
+    pulled: dict[str, Any] | None = None
+    with PullProgress() as progress:
+        for ev in stream_json(cp, "POST", "/images/pull", body):
+            kind = ev.get("type")
+            if kind == "layer":
+                progress.layer(ev)
+            elif kind == "error":
+                raise CliError(str(ev.get("message") or "pull failed"))
+            elif kind == "done":
+                pulled = ev.get("image") or {}
+    if pulled is None:
+        raise CliError("the pull ended without a result")
+    ref = str(pulled.get("reference") or image)
+    digest = str(pulled.get("digest") or "")
+    size = int(pulled.get("size") or 0)
+    sys.stderr.write(f"pulled {ref}@{digest} ({size / 1e6:.1f} MB)\n")
+    sys.stderr.flush()
+    return pulled
+
+
 # -- commands -------------------------------------------------------------------------------
 
 
 def template_ls(ctx: typer.Context, output: OutputOpt = OutputFormat.table) -> None:
-    """List templates."""
+    """List templates.
+
+    Examples:
+
+    ```
+    aenv template ls
+    aenv template ls -o json | jq -r '.[].templateID'
+    ```
+    """
     from .output import print_listing, template_table
 
     with state_of(ctx).control() as cp:
@@ -113,7 +149,15 @@ def template_build_base(
         bool, typer.Option("--force", help="Rebuild even if template base is up to date.")
     ] = False,
 ) -> None:
-    """Build the default template `base` (Debian, debootstrap) on this machine."""
+    """Build the default template `base` (Debian, debootstrap) on this machine.
+
+    Examples:
+
+    ```
+    sudo aenv template build-base
+    sudo aenv template build-base --force -q
+    ```
+    """
     from ..builds.base import build_base
 
     settings = state_of(ctx).settings()
@@ -129,8 +173,17 @@ def template_build_code_interpreter(
     ctx: typer.Context,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
 ) -> None:
-    """Build template `code-interpreter-v1` (for the e2b-code-interpreter SDK): its files on
-    this machine (like build-base), then its start command on the server."""
+    """Build template `code-interpreter-v1` (for the e2b-code-interpreter SDK).
+
+    Its files are made on this machine (like build-base), then its start command runs on
+    the server.
+
+    Examples:
+
+    ```
+    sudo aenv template build-code-interpreter
+    ```
+    """
     from ..builds import code_interpreter as ci
     from .builds import LogPrinter, follow_build, request_build, start_build
 
@@ -221,34 +274,29 @@ def pull(
         str | None, typer.Option("--password", envvar="AENV_REGISTRY_PASSWORD")
     ] = None,
 ) -> None:
-    """Pull an image on the server (progress per layer); with --name, make it a template."""
+    """Pull an image on the server (progress per layer); with --name, make it a template.
+
+    Examples:
+
+    ```
+    aenv pull python:3.12-slim
+    aenv pull python:3.12-slim --name py312 --cpu 2 --memory 1024
+    aenv pull ghcr.io/me/app:1 --username me --password "$TOKEN" --name app \\
+        --start-cmd 'python -m app' --ready-cmd 'curl -sf localhost:8080'
+    ```
+    """
     if (start_cmd or ready_cmd) and not name:
         raise CliError("--start-cmd and --ready-cmd need --name")
     state = state_of(ctx)
-    body: dict[str, Any] = {"image": image}
     registry = None
     if username or password:
         if not (username and password):
             raise CliError("--username and --password go together")
         registry = {"type": "registry", "username": username, "password": password}
-        body["registry"] = registry
-    pulled: dict[str, Any] | None = None
     with state.control() as cp:
-        with PullProgress() as progress:
-            for ev in stream_json(cp, "POST", "/images/pull", body):
-                kind = ev.get("type")
-                if kind == "layer":
-                    progress.layer(ev)
-                elif kind == "error":
-                    raise CliError(str(ev.get("message") or "pull failed"))
-                elif kind == "done":
-                    pulled = ev.get("image") or {}
-        if pulled is None:
-            raise CliError("the pull ended without a result")
+        pulled = pull_image(cp, image, registry)
         ref = str(pulled.get("reference") or image)
         digest = str(pulled.get("digest") or "")
-        size = int(pulled.get("size") or 0)
-        sys.stderr.write(f"pulled {ref}@{digest} ({size / 1e6:.1f} MB)\n")
         if not name:
             return
         spec: dict[str, Any] = {
@@ -294,7 +342,16 @@ def build(
     memory: Annotated[int | None, typer.Option("--memory", min=128, help="MB.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug log lines.")] = False,
 ) -> None:
-    """Build a template from a Dockerfile (on the server, with the E2B build API)."""
+    """Build a template from a Dockerfile (on the server, with the E2B build API).
+
+    Examples:
+
+    ```
+    aenv build . --name my-app
+    aenv build ./docker/Dockerfile --name my-app --build-arg PY=3.12 --start
+    aenv build ctx/ -f ctx/Dockerfile.dev --name dev --no-cache
+    ```
+    """
     from ..builds.dockerfile import parse_dockerfile
 
     if path.is_dir():
@@ -352,7 +409,20 @@ def template_rm(
         list[str], typer.Argument(metavar="ID|NAME...", help="Templates to delete.")
     ],
 ) -> None:
-    """Delete templates (and cancel their builds); prints each one removed."""
+    """Delete templates (and cancel their builds); prints each one removed.
+
+    Examples:
+
+    ```
+    aenv template rm my-app
+    aenv template rm my-app old-app
+    ```
+    """
+    delete_templates(ctx, templates)
+
+
+def delete_templates(ctx: typer.Context, templates: list[str]) -> None:
+    """`DELETE /templates/{id}` for each; prints each one removed, reports the others."""
     failed = False
     with state_of(ctx).control() as cp:
         for t in templates:

@@ -79,7 +79,15 @@ def _call(http: httpx.Client, method: str, path: str, ok: int = 200, **kw: Any) 
 def volume_create(
     ctx: typer.Context, name: Annotated[str, typer.Argument(help="Letters, digits, _ and -.")]
 ) -> None:
-    """Create a volume; prints its id."""
+    """Create a volume; prints its id.
+
+    Examples:
+
+    ```
+    aenv volume create datasets
+    aenv start -v datasets:/data
+    ```
+    """
     with state_of(ctx).control() as cp:
         resp = cp.request("POST", "/volumes", json={"name": name}, ok=(201,))
     print(resp.json()["volumeID"])
@@ -89,7 +97,15 @@ def volume_ls(
     ctx: typer.Context,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """List volumes."""
+    """List volumes.
+
+    Examples:
+
+    ```
+    aenv volume ls
+    aenv volume ls --json
+    ```
+    """
     with state_of(ctx).control() as cp:
         items = cp.request("GET", "/volumes").json()
     print_listing(items, as_json=json_out, empty="no volumes", table=_volume_table)
@@ -106,7 +122,14 @@ def volume_rm(
     ctx: typer.Context,
     volumes: Annotated[list[str], typer.Argument(metavar="VOLUME...", help="IDs or names.")],
 ) -> None:
-    """Delete volumes and their files (refused while a sandbox mounts one)."""
+    """Delete volumes and their files (refused while a sandbox mounts one).
+
+    Examples:
+
+    ```
+    aenv volume rm datasets
+    ```
+    """
     with state_of(ctx).control() as cp:
         for ref in volumes:
             vol = _find(cp, ref)
@@ -120,7 +143,15 @@ def volume_files(
     depth: Annotated[int, typer.Option("--depth", min=1, help="Levels to list.")] = 1,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """List the files of a volume."""
+    """List the files of a volume.
+
+    Examples:
+
+    ```
+    aenv volume files datasets
+    aenv volume files datasets /train --depth 3 --json
+    ```
+    """
     with _content(state_of(ctx), volume) as (http, vid):
         items = _call(
             http, "GET", f"/volumecontent/{vid}/dir", params={"path": path, "depth": depth}
@@ -147,7 +178,15 @@ def volume_cp(
     src: Annotated[str, typer.Argument(help="LOCAL-FILE, VOLUME:/PATH or - (stdin).")],
     dst: Annotated[str, typer.Argument(help="VOLUME:/PATH, LOCAL-FILE or - (stdout).")],
 ) -> None:
-    """Copy one file into or out of a volume (`VOLUME:/path` names the volume's side)."""
+    """Copy one file into or out of a volume (`VOLUME:/path` names the volume's side).
+
+    Examples:
+
+    ```
+    aenv volume cp ./train.csv datasets:/train/train.csv
+    aenv volume cp datasets:/train/train.csv - | head
+    ```
+    """
     state = state_of(ctx)
     src_vol, dst_vol = _remote(src), _remote(dst)
     if (src_vol is None) == (dst_vol is None):
