@@ -16,6 +16,7 @@ from starlette.types import ASGIApp
 
 from aenv import __version__
 from aenv.config import Settings
+from aenv.console import install_console
 from aenv.keys import KeyStore
 from aenv.orchestrator import Orchestrator
 from aenv.proxy.dispatch import SandboxRouter
@@ -89,6 +90,7 @@ def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAP
     app.include_router(volumes.router)
     app.include_router(volumes.content_router)
     app.include_router(cluster.router)
+    install_console(app)  # the web console at /console/ (public page, API calls keyed)
     return app
 
 

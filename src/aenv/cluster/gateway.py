@@ -25,6 +25,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from ..config import Settings
+from ..console import browser_redirect, console_routes
 from ..domain import Upstream
 from ..errors import AenvError, BadRequest, NotFound, SandboxNotFound
 from ..proxy._common import ROUTING_HEADERS, Scope
@@ -77,6 +78,8 @@ class Gateway:
         path, method = request.url.path, request.method
         if path == "/health":
             return JSONResponse({"status": "ok", "role": "gateway"})
+        if path == "/" and (to_console := browser_redirect(request)) is not None:
+            return to_console
         if method == "GET" and path in ("/sandboxes", "/v2/sandboxes"):
             return await self._merged(request, "startedAt", "sandboxID", order_default="desc")
         if method == "POST" and path in ("/sandboxes", "/v2/sandboxes", "/sandboxes-cold"):
@@ -387,6 +390,8 @@ def create_gateway_app(settings: Settings) -> ASGIApp:
 
     control = Starlette(
         routes=[
+            # The web console (static; its API calls come back here with the user's key).
+            *console_routes(),
             Route(
                 "/{path:path}",
                 gateway.handle,
