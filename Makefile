@@ -6,9 +6,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.aenv-installed
 export AENV_HOME ?= /var/lib/aenv
 
-.PHONY: install system venv base code-interpreter run test test-unit test-integration lint bench proto clean
+.PHONY: install system venv console base code-interpreter run test test-unit test-integration lint bench proto clean
 
-install: system venv base
+install: system venv console base
 
 system:
 	@scripts/install-system.sh
@@ -19,6 +19,17 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
 	@touch $(STAMP)
+
+# The web console's front-end packages (xterm.js), exactly as package-lock.json pins them;
+# again only when package.json or the lock changed. The console is served as it is: no build.
+CONSOLE := src/aenv/console
+CONSOLE_STAMP := $(CONSOLE)/node_modules/.aenv-installed
+
+console: $(CONSOLE_STAMP)
+
+$(CONSOLE_STAMP): $(CONSOLE)/package.json $(CONSOLE)/package-lock.json
+	@cd $(CONSOLE) && npm ci --omit=dev --no-audit --no-fund --loglevel=error
+	@touch $@
 
 base: venv
 	@$(BIN)/aenv template build-base --quiet

@@ -4,7 +4,8 @@
 set -eu
 
 PKGS="runsc debootstrap iproute2 iptables util-linux e2fsprogs procps ca-certificates \
-curl redis-server docker-registry skopeo psmisc python3-venv busybox-static"
+curl redis-server docker-registry skopeo psmisc python3-venv busybox-static \
+chromium fonts-liberation"
 
 missing=""
 for p in $PKGS; do
@@ -15,7 +16,8 @@ done
 if command -v runsc >/dev/null 2>&1; then
     runsc --version 2>/dev/null | grep -Eq '20(2[4-9]|[3-9][0-9])' || missing="$missing runsc"
 fi
-# Node runs the npm e2b SDK in the tests; the machine image may already ship one.
+# Node runs the npm e2b SDK in the tests and installs the console's pinned xterm.js; the
+# machine image may already ship one. Chromium: the console's tests drive it headless.
 command -v node >/dev/null 2>&1 || missing="$missing nodejs npm"
 [ -z "$missing" ] && exit 0
 
