@@ -396,7 +396,7 @@ def create_gateway_app(settings: Settings) -> ASGIApp:
                 "/{path:path}",
                 gateway.handle,
                 methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
-            )
+            ),
         ],
         lifespan=lifespan,
     )

@@ -115,7 +115,11 @@ function renderLogin(message) {
     h(
       "p",
       { class: "muted small" },
-      "The key of `aenv keys create NAME`, or $AENV_HOME/secrets/api-key. It is sent as X-API-Key to this server only.",
+      "A key from ",
+      h("code", {}, "aenv keys create NAME"),
+      " (or the node's first one, in ",
+      h("code", {}, "$AENV_HOME/secrets/api-key"),
+      "). The browser sends it as X-API-Key to this server only.",
     ),
   );
   form.addEventListener("submit", async (e) => {

@@ -79,9 +79,10 @@ export function pct(value) {
 }
 
 // A small horizontal gauge (0-100).
-export function bar(percent, label) {
+// `neutral`: a share that may exceed what is there (vCPUs handed out) is not a warning.
+export function bar(percent, label, neutral = false) {
   const p = Math.max(0, Math.min(100, Number(percent) || 0));
-  const level = p >= 90 ? "high" : p >= 70 ? "mid" : "low";
+  const level = neutral ? "neutral" : p >= 90 ? "high" : p >= 70 ? "mid" : "low";
   return h(
     "span",
     { class: "gauge", title: label || `${p.toFixed(0)}%` },

@@ -40,12 +40,16 @@ export function renderTemplates(main) {
 
   async function refresh() {
     let items;
+    let snapshots;
     try {
-      items = await api.get("/templates");
+      [items, snapshots] = await Promise.all([api.get("/templates"), api.page("/snapshots", { limit: 1000 })]);
     } catch (err) {
       replace(body, h("p", { class: "error-text" }, `Cannot list templates: ${err.message}`));
       return;
     }
+    // Snapshots are templates too (the API lists them with the rest): they have their page.
+    const snapshotIds = new Set(snapshots.items.map((s) => s.snapshotID));
+    items = items.filter((t) => !snapshotIds.has(t.templateID));
     items.sort((a, b) => (a.names?.[0] || a.templateID).localeCompare(b.names?.[0] || b.templateID));
     const rows = items.map((t) =>
       h(
@@ -69,7 +73,13 @@ export function renderTemplates(main) {
         rows,
         "No templates yet: `aenv template build-base` builds the base one.",
       ),
-      h("p", { class: "muted small" }, "Templates are built with the E2B SDKs' Template API or `aenv template build`."),
+      h(
+        "p",
+        { class: "muted small" },
+        "Templates are built with the E2B SDKs' Template API or `aenv template build`. ",
+        snapshotIds.size ? link("snapshots", `${snapshotIds.size} snapshot${snapshotIds.size === 1 ? "" : "s"}`) : null,
+        snapshotIds.size ? " can be started from too." : null,
+      ),
     );
   }
 

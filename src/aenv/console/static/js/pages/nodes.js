@@ -63,7 +63,15 @@ function nodeCard(raw, withLink) {
     rows.push(gauge("Memory", (100 * n.memUsed) / (n.memTotal || 1), `${fmtBytes(n.memUsed)} / ${fmtBytes(n.memTotal)} used`));
   }
   if (n.allocCpu !== undefined && n.cpuCount) {
-    rows.push(gauge("vCPU given", (100 * n.allocCpu) / n.cpuCount, `${n.allocCpu} vCPU to sandboxes · ${n.cpuCount} cores`));
+    const ratio = n.allocCpu / n.cpuCount;
+    rows.push(
+      h(
+        "div",
+        { class: "usage-row" },
+        h("span", {}, "vCPU given"),
+        bar(100 * Math.min(1, ratio), `${n.allocCpu} vCPU to sandboxes on ${n.cpuCount} cores (${ratio.toFixed(1)}×)`, true),
+      ),
+    );
   }
   const budget = n.budget || n.memTotal;
   if (n.allocMem !== undefined && budget) {
@@ -75,7 +83,12 @@ function nodeCard(raw, withLink) {
   }
   const counts = Object.entries(n.counts).filter(([, v]) => v);
   const facts = [
-    ["Sandboxes", `${n.sandboxes ?? "–"}${n.running !== undefined ? ` (${n.running} running)` : ""}${n.starting ? `, ${n.starting} starting` : ""}`],
+    [
+      "Sandboxes",
+      n.running !== undefined
+        ? `${n.sandboxes ?? "–"} (${n.running} running)`
+        : `${n.sandboxes ?? "–"} running${n.starting ? `, ${n.starting} starting (warm pool included)` : ""}`,
+    ],
     counts.length ? ["By state", counts.map(([k, v]) => `${k.replace("paused_", "paused/")} ${v}`).join(" · ")] : null,
     n.machine ? ["Machine", `${n.machine.cpuModelName || n.machine.cpuModel || "?"} (${n.machine.cpuArchitecture || "?"})`] : null,
     n.creates ? ["Creates", `${n.creates[0]} ok · ${n.creates[1]} failed`] : null,
@@ -93,21 +106,71 @@ function nodeCard(raw, withLink) {
       h("h2", {}, withLink ? link(`nodes/${encodeURIComponent(n.id)}`, n.id) : n.id),
       badge(n.status),
     ),
-    h("div", { class: "usage" }, rows),
-    h("dl", { class: "details" }, facts.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)])),
+    h(
+      "div",
+      { class: "node-body" },
+      h("div", { class: "usage" }, rows),
+      h("dl", { class: "details" }, facts.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)])),
+    ),
   );
 }
+
+function sandboxesTable(sandboxes) {
+  return h(
+    "table",
+    { class: "grid compact" },
+    h("thead", {}, h("tr", {}, ["Sandbox", "Template", "State", "Age", "CPU", "Memory"].map((t) => h("th", {}, t)))),
+    h(
+      "tbody",
+      {},
+      sandboxes.length
+        ? sandboxes.map((s) =>
+            h(
+              "tr",
+              {},
+              h("td", {}, link(`sandboxes/${s.sandboxID}`, h("code", {}, s.sandboxID))),
+              h("td", {}, sandboxTemplate(s)),
+              h("td", {}, badge(s.state)),
+              h("td", {}, age(s.startedAt)),
+              h("td", {}, `${s.cpuCount}`),
+              h("td", {}, `${s.memoryMB} MiB`),
+            ),
+          )
+        : h("tr", {}, h("td", { colspan: 6, class: "empty" }, "No sandboxes on this node.")),
+    ),
+  );
+}
+
+// A node's sandboxes (GET /nodes/{id}) under its card, for the first few nodes.
+const DETAILED_NODES = 8;
 
 export function render(main) {
   const body = h("div", { class: "nodes", id: "nodes" }, h("p", { class: "muted" }, "Loading…"));
   replace(main, h("div", { class: "page-head" }, h("h1", {}, "Nodes")), body);
   return poll(async () => {
+    let nodes;
     try {
-      const nodes = await api.get("/nodes");
-      replace(body, nodes.length ? nodes.map((n) => nodeCard(n, true)) : h("p", { class: "muted" }, "No nodes."));
+      nodes = await api.get("/nodes");
     } catch (err) {
       replace(body, h("p", { class: "error-text" }, `Cannot list nodes: ${err.message}`));
+      return;
     }
+    const details = await Promise.all(
+      nodes.map((n, i) =>
+        i < DETAILED_NODES ? api.get(`/nodes/${encodeURIComponent(n.nodeID || n.id)}`).catch(() => null) : null,
+      ),
+    );
+    replace(
+      body,
+      nodes.length
+        ? nodes.map((n, i) => {
+            const card = nodeCard(n, true);
+            const sandboxes = details[i]?.sandboxes;
+            if (sandboxes) card.append(h("h3", {}, `Sandboxes (${sandboxes.length})`), sandboxesTable(sandboxes));
+            return card;
+          })
+        : h("p", { class: "muted" }, "No nodes."),
+    );
   }, REFRESH_MS);
 }
 
@@ -131,32 +194,7 @@ export function renderNode(main, id) {
     replace(
       body,
       nodeCard(node, false),
-      h(
-        "section",
-        { class: "card" },
-        h("h2", {}, `Sandboxes on this node (${sandboxes.length})`),
-        h(
-          "table",
-          { class: "grid" },
-          h("thead", {}, h("tr", {}, ["Sandbox", "Template", "State", "Age", "CPU", "Memory"].map((t) => h("th", {}, t)))),
-          h(
-            "tbody",
-            {},
-            sandboxes.map((s) =>
-              h(
-                "tr",
-                {},
-                h("td", {}, link(`sandboxes/${s.sandboxID}`, h("code", {}, s.sandboxID))),
-                h("td", {}, sandboxTemplate(s)),
-                h("td", {}, badge(s.state)),
-                h("td", {}, age(s.startedAt)),
-                h("td", {}, `${s.cpuCount}`),
-                h("td", {}, `${s.memoryMB} MiB`),
-              ),
-            ),
-          ),
-        ),
-      ),
+      h("section", { class: "card" }, h("h2", {}, `Sandboxes on this node (${sandboxes.length})`), sandboxesTable(sandboxes)),
     );
   }, REFRESH_MS);
 }
