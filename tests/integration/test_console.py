@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -23,8 +24,8 @@ from typing import Any
 import pytest
 
 from aenv.console.app import Console
-from tests.helpers import ROOT
-from tests.integration.conftest import Server, running_server
+from tests.helpers import ROOT, RedisServer, free_port, redis_server, wait_healthy
+from tests.integration.conftest import AENV, Server, running_server
 
 pytestmark = pytest.mark.integration
 
@@ -56,10 +57,46 @@ def _needs() -> None:
 
 
 @pytest.fixture(scope="module")
-def node() -> Iterator[Server]:
+def cluster_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     _needs()
-    with running_server("aecon", "10.231.0.0/16", AENV_HIBERNATE_AFTER="5") as srv:
+    with redis_server(tmp_path_factory.mktemp("console-redis")) as redis:
+        yield redis
+
+
+@pytest.fixture(scope="module")
+def node(cluster_redis: RedisServer) -> Iterator[Server]:
+    """A node in a cluster of one (so a gateway can stand in front of it)."""
+    with running_server(
+        "aecon",
+        "10.231.0.0/16",
+        AENV_HIBERNATE_AFTER="5",
+        AENV_REDIS_URL=cluster_redis.url,
+        AENV_NODE_ID="aecon-node",
+        AENV_HEARTBEAT_SECONDS="1",
+    ) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def gateway(node: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`aenv gateway` in front of the node: the console is served there too."""
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {**node.env, "AENV_LISTEN": url.removeprefix("http://")}
+    log_path = tmp_path_factory.mktemp("console-gateway") / "gateway.log"
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            [AENV, "gateway"], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+        )
+    try:
+        wait_healthy(url, 60, proc=proc, status=200, log=log_path)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(15)
 
 
 @pytest.fixture(scope="module")
@@ -292,3 +329,26 @@ def test_templates_and_nodes_pages(node: Server, made: list[str], page: Any) -> 
     page.click("#logout")
     page.wait_for_selector("#login-form")
     assert page.evaluate("() => sessionStorage.getItem('aenv.apiKey')") is None
+
+
+def test_the_console_through_a_gateway(
+    gateway: str, node: Server, made: list[str], page: Any
+) -> None:
+    """The gateway serves the console; its merged listings and its data plane (by the same
+    routing headers) make the same pages and the terminal work through it."""
+    page.goto(f"{gateway}/")
+    assert page.url == f"{gateway}/console/"
+    page.fill("#api-key", node.api_key)
+    page.click("#login")
+    sandbox_id = made[0]
+    page.click(f"tr[data-sandbox-id='{sandbox_id}'] a")
+    _state(page, "running")
+    page.click("#btn-terminal")
+    page.wait_for_selector("#terminal-status[data-state='connected']")
+    page.click("#terminal")
+    page.keyboard.type("echo via-gateway-$((6*7))\n")
+    _terminal_shows(page, "via-gateway-42")
+
+    page.click("nav a[href$='/nodes']")
+    card = page.wait_for_selector("#nodes .card.node[data-node-id='aecon-node']")
+    assert card is not None and node.url in card.inner_text()  # the gateway's view: address
