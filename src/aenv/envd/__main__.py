@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     from .sudo_protocol import DEFAULT_SOCKET, SOCKET_ENV
 
     if _is_sandbox_init():  # the sudo service and port forwarding: on in sandboxes only
+        from .procfs import prepare_proc
+
+        prepare_proc()  # before any fork: the children inherit the dropped capability
         os.environ.setdefault(SOCKET_ENV, DEFAULT_SOCKET)
         os.environ.setdefault("AENV_ENVD_PORT_FORWARD", "1")
     if os.getpid() == 1 and os.environ.get("AENV_ENVD_NO_REAPER") != "1":

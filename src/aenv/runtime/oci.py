@@ -29,6 +29,10 @@ CAPABILITIES = [
     "CAP_KILL",
     "CAP_AUDIT_WRITE",
 ]
+# The first process (envd) also gets CAP_SYS_ADMIN, to mount /proc with gVisor's dentry
+# cache off (see aenv/envd/procfs.py); it drops it from the bounding set before it starts
+# anything, so no process of the sandbox ever holds it.
+INIT_CAPABILITIES = [*CAPABILITIES, "CAP_SYS_ADMIN"]
 
 CPU_PERIOD_US = 100_000
 CPU_SHARES_PER_CPU = 1024
@@ -124,9 +128,9 @@ def config(
             "env": [f"{k}={v}" for k, v in env.items()],
             "cwd": spec.cwd or "/",
             "capabilities": {
-                "bounding": CAPABILITIES,
-                "effective": CAPABILITIES,
-                "permitted": CAPABILITIES,
+                "bounding": INIT_CAPABILITIES,
+                "effective": INIT_CAPABILITIES,
+                "permitted": INIT_CAPABILITIES,
             },
             "rlimits": [
                 {"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536},
