@@ -36,7 +36,8 @@ from aenv.runtime.runsc import Runsc
 from . import hostproc
 from .client import BenchError
 from .plan import Plan, Progress
-from .scenarios import DIRTY_MEMORY_MB, SampleFn, dirty_command, sample_loop, wait_until
+from .scenarios_common import SampleFn, sample_loop, wait_until
+from .scenarios_lifecycle import DIRTY_MEMORY_MB, dirty_command
 from .stats import Results
 
 NET_PREFIX = "aebase"

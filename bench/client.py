@@ -238,15 +238,26 @@ class Api:
             return False, f"HTTP {resp.status_code}: {msg}"
         return True, ""
 
-    async def pause(self, sandbox_id: str) -> Timed:
+    async def pause(self, sandbox_id: str, *, memory: bool = True) -> Timed:
+        """`memory=False`: E2B's `memory: false`, only the files are kept (the container is
+        stopped, its memory released)."""
         return await self._call(
             "POST",
             f"/sandboxes/{quote(sandbox_id, safe='')}/pause",
             what="pause",
             ok=(204, 200),
-            json_body={},
+            json_body={} if memory else {"memory": False},
             feature=True,
         )
+
+    async def list_timed(self, limit: int = 1000) -> Timed:
+        """`GET /v2/sandboxes?limit=N` (every state, no filter): the answer is the list."""
+        t = await self._call(
+            "GET", f"/v2/sandboxes?limit={limit}", what="list", ok=(200,), feature=True
+        )
+        if not isinstance(t.data, list):
+            raise BenchError(f"list: the answer is not a list: {t.data!r:.200}")
+        return t
 
     async def resume(self, sandbox_id: str) -> Timed:
         """`POST /v2/sandboxes/{id}/connect {}`; 201 = it was resumed."""

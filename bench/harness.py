@@ -31,8 +31,7 @@ from .stats import Results
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 LOCK_PATH = Path("/run/lock/aenv-bench.lock")
 
-MAIN_ROWS = [
-    "create_to_first_exec",
+RUNNING_ROWS = [
     "exec_roundtrip",
     "spawn_in_sandbox",
     "file_write_1mib",
@@ -40,14 +39,26 @@ MAIN_ROWS = [
     "pause",
     "resume",
     "snapshot",
-    "snapshot_dirty_1gib",
-    "fork_1",
-    "fork_4",
-    "fork_16",
+]
+CMDS_ROWS = ["snapshot_after_1000_cmds", "snapshot_after_1000_cmds_mib"]
+FORK_ROWS = ["fork_1", "fork_4", "fork_16"]
+CONCURRENT_ROWS = [
     "concurrent_create_10",
     "concurrent_create_50",
+    "exec_concurrent_10",
+    "exec_concurrent_50",
     "idle_sandbox_rss_mib",
     "idle_sandbox_pss_mib",
+]
+POPULATED_ROWS = ["create_to_first_exec_with_100", "exec_roundtrip_with_100", "list_1000"]
+MAIN_ROWS = [
+    "create_to_first_exec",
+    *RUNNING_ROWS,
+    "snapshot_dirty_1gib",
+    *CMDS_ROWS,
+    *FORK_ROWS,
+    *CONCURRENT_ROWS,
+    *POPULATED_ROWS,
 ]
 COLD_ROWS = ["create_to_first_exec_cold", "hibernate", "resume_from_disk"]
 COLD_ENV = {"AENV_NET_POOL_SIZE": "0", "AENV_SANDBOX_POOL_SIZE": "0", "AENV_HIBERNATE_AFTER": "0"}
@@ -174,7 +185,15 @@ class Run:
             api = self.api(server.url, server.api_key)
             local = True
             self.config["main_server"] = {"env": "server defaults (warm network-slot pool on)"}
-        sr = ServerRows(api, self.results, self.plan, self.progress, want=self.want, local=local)
+        sr = ServerRows(
+            api,
+            self.results,
+            self.plan,
+            self.progress,
+            want=self.want,
+            local=local,
+            home=server.home if server is not None else None,
+        )
         try:
             await self.guard(rows, "warm-up", sr.warmup)
             await self.guard(
@@ -182,10 +201,12 @@ class Run:
                 "create_to_first_exec",
                 lambda: sr.create_rows("create_to_first_exec", self.plan.create),
             )
-            await self.guard(MAIN_ROWS[1:7], "running-sandbox rows", sr.running_sandbox_rows)
+            await self.guard(RUNNING_ROWS, "running-sandbox rows", sr.running_sandbox_rows)
             await self.guard(["snapshot_dirty_1gib"], "snapshot_dirty_1gib", sr.dirty_snapshot)
-            await self.guard(["fork_1", "fork_4", "fork_16"], "fork", sr.fork_rows)
-            await self.guard(MAIN_ROWS[11:], "concurrent create", sr.concurrent_rows)
+            await self.guard(CMDS_ROWS, "snapshot_after_1000_cmds", sr.cmds_snapshot)
+            await self.guard(FORK_ROWS, "fork", sr.fork_rows)
+            await self.guard(CONCURRENT_ROWS, "concurrent create", sr.concurrent_rows)
+            await self.guard(POPULATED_ROWS, "populated node", sr.populated_rows)
         finally:
             await sr.drain()
             if server is not None:
@@ -367,8 +388,23 @@ async def _run(opts: Options, progress: Progress | None) -> dict[str, Any]:
     doc = r.results.document(machine_info(), extra)
     if opts.write:
         # A partial run (--only) must not replace the full table the README shows.
-        write_results(doc, opts.results_dir, started, latest=opts.only is None)
+        latest, _ = write_results(doc, opts.results_dir, started, latest=opts.only is None)
+        if latest is not None:
+            r.progress.log(await asyncio.to_thread(write_chart, doc, latest.with_suffix(".png")))
     return doc
+
+
+def write_chart(doc: dict[str, Any], out: Path) -> str:
+    """Renders the chart (bench/chart.py) next to latest.json; what happened, as a line."""
+    try:
+        from .chart import render
+
+        render(doc, out)
+    except ImportError as exc:
+        return f"chart: not drawn, matplotlib is missing ({exc}): pip install matplotlib"
+    except Exception as exc:  # a chart must never cost the results
+        return f"chart: not drawn: {type(exc).__name__}: {exc}"
+    return f"chart: {out} (again from a results file: python -m bench.chart FILE.json OUT.png)"
 
 
 def write_results(

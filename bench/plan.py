@@ -21,6 +21,27 @@ class Plan:
     fork_16: int = 3
     concurrent_10_rounds: int = 3
     concurrent_50_rounds: int = 1
+    # Rounds of "every sandbox of a concurrent round runs one command at once"
+    # (exec_concurrent_10/50); each sandbox's exec is one sample.
+    exec_concurrent_rounds: int = 5
+    # snapshot_after_1000_cmds: samples (each: a snapshot of a fresh sandbox, the baseline,
+    # and one of a sandbox that ran `cmds` processes plus `cmds_envd` envd commands).
+    cmds_snapshot: int = 3
+    cmds: int = 1000
+    cmds_envd: int = 50
+    # How the processes are made (scenarios_lifecycle.cmds_command): `exec` (programs) or
+    # `fork` (subshells, ~3× faster in gVisor).
+    cmds_form: str = "exec"
+    # The node-population rows: `idle_sandboxes` running idle sandboxes on the node for
+    # *_with_100 (`create`/`exec` samples each, with one and with them), then
+    # `list_sandboxes` on the node (the idle ones paused files-only, the rest created and
+    # paused files-only) for list_1000 (`list` samples); `populate_concurrency` creates at once.
+    idle_sandboxes: int = 100
+    list_sandboxes: int = 1000
+    populated_create: int = 10
+    populated_exec: int = 30
+    list: int = 20
+    populate_concurrency: int = 8
     # Seconds an idle sandbox sits before its memory is read; how long to wait for a
     # paused sandbox to report it is hibernated.
     idle_wait: float = 3.0
@@ -53,6 +74,15 @@ class Plan:
             fork_16=1,
             concurrent_10_rounds=1,
             concurrent_50_rounds=1,
+            exec_concurrent_rounds=2,
+            cmds_snapshot=1,
+            cmds_envd=20,
+            cmds_form="fork",
+            idle_sandboxes=20,
+            list_sandboxes=50,
+            populated_create=3,
+            populated_exec=8,
+            list=5,
             idle_wait=1.0,
             hibernate_wait=5.0,
             baseline_heavy=False,
