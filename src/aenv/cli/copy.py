@@ -190,7 +190,8 @@ def chmod_remote(envd: EnvdClient, modes: dict[str, int]) -> None:
             err = b""
             code = 1
             try:
-                for event in envd.process(PROCESS_START, start_request("/bin/sh", args)):
+                request = dict(start_request("/bin/sh", args), stdin=False)
+                for event in envd.process(PROCESS_START, request):
                     if event.kind == "stderr":
                         err += event.data
                     elif event.kind == "end":
@@ -444,6 +445,8 @@ def cp(
     src_remote, dst_remote = parse_location(src), parse_location(dst)
     if (src_remote is None) == (dst_remote is None):
         raise CliError("one side of `aenv cp` must be ID:PATH (a sandbox), the other a local path")
+    if dst_remote is not None and src != "-" and not os.path.lexists(src):
+        raise CliError(f"{src}: no such file or directory")
     state = state_of(ctx)
     remote = src_remote or dst_remote
     assert remote is not None

@@ -58,10 +58,10 @@ def load_credentials(path: Path) -> Credentials | None:
         raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
     try:
         data = tomllib.loads(raw.decode())
-        url, key = data["url"], data["api_key"]
+        url, key = data.get("url"), data.get("api_key")
         if not isinstance(url, str) or not isinstance(key, str) or not url or not key:
             raise ValueError("url and api_key must be non-empty strings")
-    except (ValueError, KeyError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError) as exc:
         raise CliError(
             f"bad credentials file {path} ({exc}); run `aenv auth` or `aenv auth --logout`"
         ) from None

@@ -17,7 +17,15 @@ from rich.text import Text
 from .client import ControlPlane, url_segment
 from .errors import CliError
 from .options import OutputFormat, note, pairs, stdout_is_tty
-from .output import console, format_metadata, parse_time, print_json, print_table, relative_time
+from .output import (
+    console,
+    format_metadata,
+    id_width,
+    parse_time,
+    print_json,
+    print_table,
+    relative_time,
+)
 
 # -- logs -----------------------------------------------------------------------------------
 
@@ -226,7 +234,7 @@ def _sort_key(sort: str) -> Any:
 
 def top_table(rows: Sequence[dict[str, Any]], sort: str = "cpu") -> Table:
     table = Table(box=None, header_style="bold", pad_edge=False)
-    table.add_column("ID", no_wrap=True)
+    table.add_column("ID", no_wrap=True, min_width=id_width(rows))
     table.add_column("TEMPLATE", no_wrap=True)
     for col in ("CPU%", "VCPU", "MEM", "MEM%", "DISK", "DISK%"):
         table.add_column(col, justify="right", no_wrap=True)

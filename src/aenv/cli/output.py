@@ -112,11 +112,16 @@ def _cell(value: Any, style: str = "") -> Text:
     return Text("-" if value is None or value == "" else str(value), style=style)
 
 
+def id_width(rows: Sequence[Mapping[str, Any]], key: str = "sandboxID") -> int:
+    """The widest ID: ID columns never shrink below it (a cut ID is no use)."""
+    return max((len(str(r.get(key) or "")) for r in rows), default=2)
+
+
 def sandbox_table(sandboxes: Sequence[Mapping[str, Any]]) -> Table:
     table = Table(box=None, header_style="bold", pad_edge=False)
-    table.add_column("ID", no_wrap=True)
+    table.add_column("ID", no_wrap=True, min_width=id_width(sandboxes))
     table.add_column("TEMPLATE", no_wrap=True)
-    table.add_column("STATE", no_wrap=True)
+    table.add_column("STATE", no_wrap=True, min_width=7)
     table.add_column("STARTED", no_wrap=True)
     table.add_column("ENDS", no_wrap=True)
     table.add_column("CPU", justify="right", no_wrap=True)

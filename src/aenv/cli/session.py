@@ -155,6 +155,9 @@ def run_command(
     request = start_request(
         "/bin/bash", ["-l", "-c", command], envs=envs, cwd=cwd, stdin=forward_stdin
     )
+    # Said either way: envd (as E2B's) keeps a process's stdin open when it is not said,
+    # and a command reading it (`cat`) would wait for input that never comes.
+    request["stdin"] = forward_stdin
     make_client = envd.clone
 
     pid: int | None = None
@@ -278,6 +281,7 @@ def attach_shell(
     out = _binary(sys.stdout)
     jobs: queue.Queue[tuple[str, Any]] = queue.Queue()
     stop = threading.Event()
+    shown = threading.Event()  # the shell's first output (its prompt) arrived
     threads: list[threading.Thread] = []
     old_winch: Any = None
     winch_installed = False
@@ -298,7 +302,9 @@ def attach_shell(
                             winch_installed = True
                         threads = [
                             threading.Thread(
-                                target=_pump_input, args=(jobs, stop, interactive), daemon=True
+                                target=_pump_input,
+                                args=(jobs, stop, interactive, shown),
+                                daemon=True,
                             ),
                             threading.Thread(
                                 target=_shell_worker,
@@ -312,6 +318,7 @@ def attach_shell(
                         end = event
                     elif event.kind != "start":
                         _write(out, event.data)
+                        shown.set()
             finally:
                 stop.set()
                 if winch_installed:
@@ -327,9 +334,16 @@ def attach_shell(
 
 
 def _pump_input(
-    jobs: queue.Queue[tuple[str, Any]], stop: threading.Event, interactive: bool
+    jobs: queue.Queue[tuple[str, Any]],
+    stop: threading.Event,
+    interactive: bool,
+    shown: threading.Event,
 ) -> None:
     last = b"\n"
+    if not interactive:
+        # Piped input waits for the shell's first output: typed before bash's line editor
+        # is up, a lone ^D (stdin from /dev/null) would be lost and the shell never exit.
+        shown.wait(10.0)
     for data in _read_chunks(stop):
         jobs.put(("input", data))
         last = data[-1:]
