@@ -680,6 +680,32 @@ def test_exec_stdin(cli: CliRunner, fake: FakeAenv) -> None:
     assert res.stdout == "line1\nline2\n"
 
 
+def _start_body(fake: FakeAenv) -> dict[str, Any]:
+    start = [r for r in fake.requests if r[1] == "/process.Process/Start"][-1]
+    return dict(json.loads(EnvelopeDecoder().feed(start[3])[0][1]))
+
+
+def test_exec_forwards_piped_stdin_by_default(cli: CliRunner, fake: FakeAenv) -> None:
+    """CliRunner's stdin is not a terminal: it is forwarded without --stdin; -I keeps it
+    back and says so to envd (which would otherwise keep the command's stdin open)."""
+    fake.add("sbx-a")
+    res = cli.invoke(app, ["exec", "sbx-a", "--", "cat"], input="piped\n")
+    assert res.exit_code == 0, res.output
+    assert res.stdout == "piped\n"
+    assert _start_body(fake)["stdin"] is True
+    res = cli.invoke(app, ["exec", "-I", "sbx-a", "--", "true"], input="held back")
+    assert res.exit_code == 0, res.output
+    assert _start_body(fake)["stdin"] is False
+
+
+def test_exec_keeps_its_sandbox_alive(cli: CliRunner, fake: FakeAenv) -> None:
+    fake.add("sbx-a")
+    res = cli.invoke(app, ["exec", "sbx-a", "-I", "--", "true"])
+    assert res.exit_code == 0, res.output
+    connects = [r for r in fake.requests if r[1] == "/v2/sandboxes/sbx-a/connect"]
+    assert connects and json.loads(connects[0][3]) == {"timeout": 300}
+
+
 def test_exec_errors(cli: CliRunner, fake: FakeAenv) -> None:
     res = cli.invoke(app, ["exec", "nope", "--", "true"])
     assert res.exit_code == 1 and _one_error_line(res.stderr) == "aenv: sandbox nope not found"
