@@ -140,8 +140,13 @@ def _bar_panel(ax: Any, rows: list[Bar], unit: str, *, log: bool) -> None:
         color = {True: OURS_MET, False: OURS_MISSED, None: OURS_PLAIN}[b.met]
         if b.ours is not None and b.ours > 0:
             ax.barh(y - 0.2, b.ours - left, left=left, height=0.4, color=color)
+            # Right of the bar, or of the target's tick when that is just right of the bar.
+            end = b.ours
+            if b.target is not None and b.target > b.ours:
+                close = b.target < b.ours * 1.8 if log else b.target - b.ours < hi * 0.1
+                end = b.target if close else b.ours
             ax.text(
-                b.ours * (1.08 if log else 1.0) + (0 if log else hi * 0.01),
+                end * (1.1 if log else 1.0) + (0 if log else hi * 0.012),
                 y - 0.2,
                 fmt_value(b.ours, unit),
                 va="center",

@@ -113,7 +113,9 @@ class Run:
         return api
 
     async def guard(self, rows: list[str], what: str, step: Callable[[], Awaitable[None]]) -> None:
-        """Runs a step; if it fails as a whole, its rows without samples become missing."""
+        """Runs a step (its seconds go to `phases` as `step: <what>`); if it fails as a
+        whole, its rows without samples become missing."""
+        t0 = time.perf_counter()
         try:
             await step()
         except BenchError as exc:
@@ -122,6 +124,9 @@ class Run:
                 [r for r in rows if self.want(r) and not self.results.has_samples(r)],
                 f"{what} failed: {exc}",
             )
+        finally:
+            key = f"step: {what}"
+            self.phases[key] = round(self.phases.get(key, 0.0) + time.perf_counter() - t0, 1)
 
     async def ensure_home(self) -> Path:
         if self.home is None:

@@ -74,7 +74,7 @@ class Plan:
             fork_16=1,
             concurrent_10_rounds=1,
             concurrent_50_rounds=1,
-            exec_concurrent_rounds=2,
+            exec_concurrent_rounds=1,
             cmds_snapshot=1,
             cmds_envd=20,
             cmds_form="fork",
