@@ -234,6 +234,11 @@ class SandboxRecord:
     # The operation in flight (crash recovery); None between operations.
     pending: PendingOp | None = None
     volume_mounts: list[VolumeMount] = field(default_factory=list)
+    # The last live snapshot's copy of the upper (layers, topmost first, held by the
+    # sandbox) and which upper it copied: the next live snapshot of that same upper takes
+    # only what changed since.
+    copied_as: list[str] = field(default_factory=list)
+    copied_upper: str | None = None
 
     @property
     def address(self) -> str | None:

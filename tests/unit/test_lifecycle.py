@@ -5,6 +5,8 @@ concurrent operations on one sandbox."""
 from __future__ import annotations
 
 import asyncio
+import os
+import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -168,28 +170,70 @@ async def test_proxy_resolve_resumes_only_with_auto_resume(node: Harness) -> Non
 
 
 # ---------------------------------------------------------------------------- snapshots
-async def test_snapshot_keeps_the_sandbox_and_seals_its_files(node: Harness) -> None:
+async def test_snapshot_keeps_the_sandbox_running_and_copies_its_files(node: Harness) -> None:
     r = await node.orch.create(CreateRequest())
-    address = r.address
+    assert r.instance is not None
+    address, upper, before = r.address, r.upper, len(node.runtime.ops())
     write_file(node, r.sandbox_id, "a.txt", "1")
     snap = await node.orch.snapshot(r.sandbox_id, "snap-1")
     rec = node.orch.get(r.sandbox_id)
+    # Not stopped nor restored: the same container goes on in the same upper.
     assert rec.state is SandboxState.RUNNING and rec.address == address
+    assert rec.instance is not None and rec.instance.id == r.instance.id
+    assert node.runtime.state(rec.instance) is FakeState.RUNNING
+    assert node.runtime.ops()[before:] == ["checkpoint", "thaw"]
+    assert rec.upper is not None and rec.upper == upper and entries(rec.upper) == ["a.txt"]
     assert snap.kind is TemplateKind.SNAPSHOT and snap.checkpoint is not None
-    assert snap.layers == rec.layers and len(snap.layers) == 2
+    assert snap.layers == [*rec.copied_as, *rec.layers] and len(snap.layers) == 2
     assert (node.orch.layer_path(snap.layers[0]) / "a.txt").read_text() == "1"
-    assert rec.upper is not None and not entries(rec.upper)
     assert [s.template_id for s in await node.orch.snapshots()] == [snap.template_id]
 
     child = await node.orch.create(CreateRequest(template_id="snap-1"))
     assert child.layers == snap.layers and child.instance is not None
-    assert node.runtime.ops().count("restore") >= 2  # the parent in place, then the child
+    assert node.runtime.ops().count("restore") == 1  # the child only
     with pytest.raises(Conflict):
         await node.orch.snapshot(r.sandbox_id, "snap-1")
 
 
-async def test_snapshot_whose_restore_fails_marks_the_sandbox_lost(node: Harness) -> None:
+async def test_later_snapshots_take_only_what_changed(node: Harness) -> None:
     r = await node.orch.create(CreateRequest())
+    write_file(node, r.sandbox_id, "a.txt", "1")
+    first = await node.orch.snapshot(r.sandbox_id)
+    write_file(node, r.sandbox_id, "b.txt", "2")
+    second = await node.orch.snapshot(r.sandbox_id)
+    assert second.layers[1:] == first.layers
+    assert entries(str(node.orch.layer_path(second.layers[0]))) == ["b.txt"]
+    same = await node.orch.snapshot(r.sandbox_id)  # nothing changed: no new layer
+    assert same.layers == second.layers
+    upper = node.orch.get(r.sandbox_id).upper
+    assert upper is not None
+    (Path(upper) / "a.txt").unlink()
+    third = await node.orch.snapshot(r.sandbox_id)
+    gone = node.orch.layer_path(third.layers[0]) / "a.txt"
+    if os.geteuid() == 0:  # a whiteout (a device node) hides the first copy's a.txt
+        assert stat.S_ISCHR(os.lstat(gone).st_mode)
+    assert third.layers[1:] == second.layers
+
+
+async def test_snapshot_whose_checkpoint_fails_leaves_the_sandbox_running(
+    node: Harness,
+) -> None:
+    r = await node.orch.create(CreateRequest())
+    node.runtime.fail_next("checkpoint")
+    with pytest.raises(RuntimeFailure):
+        await node.orch.snapshot(r.sandbox_id)
+    rec = node.orch.get(r.sandbox_id)
+    assert rec.state is SandboxState.RUNNING and rec.pending is None
+    assert rec.instance is not None
+    assert node.runtime.state(rec.instance) is FakeState.RUNNING
+    assert await node.orch.snapshots() == []
+
+
+async def test_snapshot_of_a_frozen_sandbox_whose_restore_fails_marks_it_lost(
+    node: Harness,
+) -> None:
+    r = await node.orch.create(CreateRequest())
+    await node.orch.pause(r.sandbox_id)
     node.runtime.fail_next("restore")
     with pytest.raises(RuntimeFailure):
         await node.orch.snapshot(r.sandbox_id)
@@ -218,7 +262,8 @@ async def test_fork_children_and_parent(node: Harness) -> None:
     assert len(addresses) == 4
     for k in kids:
         assert k.parent_id == parent.sandbox_id and k.metadata == {"k": "v"}
-        assert k.layers == node.orch.get(parent.sandbox_id).layers
+        p = node.orch.get(parent.sandbox_id)  # children run on a copy of its upper
+        assert k.layers == [*p.copied_as, *p.layers] and len(p.copied_as) == 1
         assert k.envd_access_token != parent.envd_access_token or not k.envd_access_token
     # The fork's snapshot is gone; the children's layers stay.
     assert await node.orch.snapshots() == []
@@ -227,8 +272,8 @@ async def test_fork_children_and_parent(node: Harness) -> None:
 
 async def test_fork_with_a_failing_child_reports_it(node: Harness) -> None:
     parent = await node.orch.create(CreateRequest())
-    # The parent's in-place restore is the first restore; the second child's fails.
-    node.runtime.fail_next("restore", after=2)
+    # The parent goes on without a restore; the second child's fails.
+    node.runtime.fail_next("restore", after=1)
     results = await node.orch.fork(parent.sandbox_id, 3)
     assert sum(res.sandbox is not None for res in results) == 2
     errors = [res.error for res in results if res.error is not None]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import logging
 import re
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -31,11 +32,14 @@ from ..domain import (
     new_id,
 )
 from ..errors import BadRequest, Conflict
+from ..images.layers import LayerError
 from ..runtime.base import Runtime
 from .boot import Booter
 from .context import NodeContext
 from .table import SandboxTable
 from .templates import TemplateRegistry
+
+log = logging.getLogger("aenv.orchestrator")
 
 # Brings a snapshotted sandbox back (when the caller asked to run that later).
 Restore = Coroutine[Any, Any, None]
@@ -170,7 +174,10 @@ class Snapshotter:
         back: Restore | None = None
         tier = r.tier
         kept = boot_of is None
-        if r.state is SandboxState.RUNNING or tier is PauseTier.FROZEN:
+        layers: builtins.list[str] | None = None  # else the record's, once sealed
+        if kept and r.state is SandboxState.RUNNING and r.upper is not None:
+            layers = await self._take_live(r, t, snap_id, op)
+        elif r.state is SandboxState.RUNNING or tier is PauseTier.FROZEN:
             assert r.instance is not None
             inst = r.instance
             if kept:  # from here a crash leaves a checkpointed or stopped container
@@ -217,7 +224,7 @@ class Snapshotter:
         snap = self._record(
             r,
             snap_id,
-            list(r.layers),
+            list(r.layers) if layers is None else layers,
             checkpoint=snap_id,
             names=names,
             internal=internal,
@@ -240,6 +247,61 @@ class Snapshotter:
                 await back  # the sandbox comes back all the same
             raise
         return snap, back
+
+    async def _take_live(
+        self, r: SandboxRecord, t: Timings, snap_id: str, op: str
+    ) -> builtins.list[str]:
+        """A running sandbox's snapshot without stopping it (its lock held): checkpointed
+        leaving it running but held, its upper copied meanwhile (only what changed since
+        its last live snapshot, if that copied the same upper), then let go. Its own record
+        keeps its stack and upper; returns the snapshot's layer stack."""
+        assert r.instance is not None and r.upper is not None
+        inst, upper, storage = r.instance, Path(r.upper), self.booter.storage
+        # A crash from here leaves the container running or held: recovery lets it go on
+        # (a held one is `is_frozen`, thawed as a running record wants) and sweeps the image.
+        r.pending = PendingOp(op, image=snap_id)
+        await self.table.save(r)
+        try:
+            image = await self.templates.fresh_image(snap_id)
+            try:
+                with t.stage("checkpoint"):
+                    await self.runtime.checkpoint(inst, image, leave_running=True, hold=True)
+                crashpoint.hit("snapshot.checkpointed")
+                since = r.copied_as if r.copied_upper == r.upper else []
+                with t.stage("copy"):
+                    copied = await asyncio.to_thread(self._copy, upper, r.sandbox_id, since)
+                crashpoint.hit("snapshot.copied")
+            finally:
+                if await self.runtime.is_frozen(inst):
+                    with t.stage("thaw"):
+                        await self.runtime.thaw(inst)
+        except BaseException:
+            r.pending = None  # failed, not interrupted: nothing for a restart to finish
+            raise
+        if copied != r.copied_as:
+            await asyncio.to_thread(storage.hold, "sandbox", r.sandbox_id, copied)
+            old = [d for d in r.copied_as if d not in copied]
+            if old:
+                await asyncio.to_thread(storage.unhold, "sandbox", r.sandbox_id, old)
+        r.copied_as, r.copied_upper = copied, r.upper
+        return [*copied, *r.layers]
+
+    # Live snapshots of one upper stack their changes; past this many layers the next one
+    # copies the whole upper again, so no stack grows without end.
+    MAX_COPY_CHAIN = 8
+
+    def _copy(self, upper: Path, label: str, since: builtins.list[str]) -> builtins.list[str]:
+        """The upper as layers (topmost first): its changes over `since`, or all of it."""
+        storage = self.booter.storage
+        if since and len(since) < self.MAX_COPY_CHAIN:
+            try:
+                top = storage.copy_upper_since(upper, label, since)
+            except LayerError as e:  # a layer of the last copy was dropped meanwhile
+                log.info("snapshot of %s copies its whole upper: %s", label, e)
+            else:
+                return since if top is None else [top, *since]
+        whole = storage.copy_upper(upper, label)
+        return [] if whole is None else [whole]
 
     def _record(
         self,

@@ -23,7 +23,8 @@ from pathlib import Path
 from ..config import Settings
 from ..fsutil import private_dir
 from ..images.cache import LayerCache, holder
-from ..images.layers import LayerStore
+from ..images.diffcopy import copy_changes
+from ..images.layers import LayerError, LayerStore
 from ..runtime.disks import Disks
 from ..runtime.rootfs import is_mount_point
 
@@ -98,6 +99,24 @@ class SandboxStorage:
         digest = self.seal_digest(label)
         self.layers.add_dir(upper, digest, mode="copy", source=f"files of {label}")
         return digest
+
+    def copy_upper_since(self, upper: Path, label: str, copy: list[str]) -> str | None:
+        """Like `copy_upper`, but only what changed since `copy` (layers, topmost first)
+        was copied from this same upper (see images/diffcopy.py): the layer goes on top of
+        `copy`. None when nothing changed. Raises `LayerError` when a layer is gone."""
+        missing = [d for d in copy if not self.layers.has(d)]
+        if missing:
+            raise LayerError(f"layer {missing[0]} is gone")
+        self.layers.tmp.mkdir(parents=True, exist_ok=True)
+        stage = self.layers.tmp / f"diff-{secrets.token_hex(8)}"
+        try:
+            if copy_changes(upper, [self.layers.path(d) for d in copy], stage) == 0:
+                return None
+            digest = self.seal_digest(label)
+            self.layers.add_dir(stage, digest, mode="move", source=f"changes of {label}")
+            return digest
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
 
     def remove_sandbox(self, sandbox_id: str) -> None:
         if self.disks is not None:

@@ -105,11 +105,15 @@ class Runtime(abc.ABC):
     async def thaw(self, inst: Instance) -> None: ...
 
     @abc.abstractmethod
-    async def checkpoint(self, inst: Instance, image_dir: Path, *, leave_running: bool) -> None:
+    async def checkpoint(
+        self, inst: Instance, image_dir: Path, *, leave_running: bool, hold: bool = False
+    ) -> None:
         """Write memory + process state (and in-sandbox FS state the backend keeps) to
         image_dir, after which `image_complete(image_dir)` holds. With `leave_running` the
         sandbox goes on; without, it is done (not `alive`) and only `stop` or `destroy` may
-        follow."""
+        follow. `hold` (with `leave_running`): its processes stay stopped from before the
+        checkpoint until `thaw`, its files flushed to the host (so a copy of its upper taken
+        meanwhile matches the image); `is_frozen` says so meanwhile, also after a restart."""
 
     @abc.abstractmethod
     async def restore(

@@ -233,8 +233,12 @@ class FakeRuntime(Runtime):
         c = self._running(inst, call)
         c.state = FakeState.RUNNING
 
-    async def checkpoint(self, inst: Instance, image_dir: Path, *, leave_running: bool) -> None:
+    async def checkpoint(
+        self, inst: Instance, image_dir: Path, *, leave_running: bool, hold: bool = False
+    ) -> None:
         call = Call("checkpoint", inst.id, inst.sandbox_id, image_dir, leave_running)
+        if hold and not leave_running:
+            self._failed(call, ValueError("hold needs leave_running"))
         await self._enter(call)
         c = self._running(inst, call)
         image = {
@@ -246,8 +250,12 @@ class FakeRuntime(Runtime):
             "mounts": c.mounts,
         }
         await asyncio.to_thread(_write_image, image_dir, image)
-        # As with runsc, a frozen sandbox is thawed to be checkpointed.
-        c.state = FakeState.RUNNING if leave_running else FakeState.EXITED
+        # As with runsc, a frozen sandbox is thawed to be checkpointed; a held one stays
+        # stopped (frozen) until `thaw`.
+        if hold:
+            c.state = FakeState.FROZEN
+        else:
+            c.state = FakeState.RUNNING if leave_running else FakeState.EXITED
 
     async def stats(self, inst: Instance) -> Stats:
         call = Call("stats", inst.id, inst.sandbox_id)

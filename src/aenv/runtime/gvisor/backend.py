@@ -430,12 +430,21 @@ class GVisorRuntime(Runtime):
         else:  # paused by runsc (no freezer on this host)
             await self.runsc.resume(c.id)
 
-    async def checkpoint(self, inst: Instance, image_dir: Path, *, leave_running: bool) -> None:
+    async def checkpoint(
+        self, inst: Instance, image_dir: Path, *, leave_running: bool, hold: bool = False
+    ) -> None:
+        if hold and not leave_running:
+            raise ValueError("hold needs leave_running")
         c = self._running(inst)
         await asyncio.to_thread(image_dir.mkdir, parents=True, exist_ok=True)
         t0 = time.perf_counter()
         # A frozen sandbox is checkpointed as it stands: runsc stops its tasks first thing.
         await asyncio.to_thread(self.procs.unfreeze, c.id, c.cgroup)
+        if hold:
+            # runsc's own pause (the sentry stops its tasks), not the cgroup freezer: a
+            # frozen sandbox answers no runsc command. A leave-running checkpoint of a paused
+            # sandbox leaves it paused, so nothing runs between the image and `thaw`.
+            await self.runsc.pause(c.id)
         await self.network.drop_connections(c.address)
         await self.runsc.checkpoint(
             c.id,

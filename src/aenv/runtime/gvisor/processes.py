@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -115,9 +116,22 @@ class Processes:
 
     async def is_frozen(self, c: Container) -> bool:
         if await asyncio.to_thread(self.freezer.available, c.cgroup):
-            return await asyncio.to_thread(self.freezer.is_frozen, c.cgroup)
+            if await asyncio.to_thread(self.freezer.is_frozen, c.cgroup):
+                return True
+            # Paused by runsc even where the freezer works: held by a checkpoint (`hold`).
+            return await asyncio.to_thread(self.paused_by_runsc, c.id)
         state = await self.runsc.state(c.id)  # paused by runsc (no freezer on this host)
         return state is not None and state.get("status") == "paused"
+
+    def paused_by_runsc(self, cid: str) -> bool:
+        """From runsc's state file: no command to a sandbox that may be frozen."""
+        path = self.runsc.sandbox_state_file(cid)
+        if path is None:
+            return False
+        try:
+            return bool(json.loads(path.read_text()).get("status") == "paused")
+        except (OSError, ValueError):
+            return False
 
     def commands(self) -> list[int]:
         """Pids of runsc commands on this root that still run (`checkpoint`, `restore`, …,
