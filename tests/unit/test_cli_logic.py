@@ -256,6 +256,15 @@ def test_log_cursor_yields_each_entry_once() -> None:
     assert cp.calls[1]["cursor"] == "2000" and cp.calls[1]["level"] == "info"
 
 
+def test_log_cursor_tail_fetch_overrides_the_page_size() -> None:
+    cp = _FakeCp([[_entry(3000, "c"), _entry(2000, "b")]])
+    cur = LogCursor(cp, "sbx", {})  # type: ignore[arg-type]
+    last = cur.fetch(direction="backward", limit="2")
+    assert cp.calls[-1] == {"direction": "backward", "limit": "2"}
+    cur.skip_to(list(reversed(last)))
+    assert cur.cursor == 3000 and cur.new() == []
+
+
 def test_format_log_line() -> None:
     e = _entry(1000, "process started")
     e["fields"] = {"pid": "7"}

@@ -69,7 +69,7 @@ class LogCursor:
         self._seen_at_cursor: set[str] = set()
 
     def fetch(self, **extra: str) -> list[dict[str, Any]]:
-        params = dict(self.params, limit=str(PAGE), **extra)
+        params = {**self.params, "limit": str(PAGE), **extra}
         data = self.cp.request("GET", self.path, params=params).json()
         logs = data.get("logs") if isinstance(data, dict) else None
         return [e for e in logs or [] if isinstance(e, dict)]
