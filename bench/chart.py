@@ -68,12 +68,8 @@ def bars(doc: dict[str, Any]) -> list[Bar]:
         target: float | None = None
         met: bool | None = None
         if row.target is not None:
-            met = row.target.check(ours, base)
-            if row.target.ratio is not None:
-                ref = _num((base or {}).get(row.target.stat))
-                target = row.target.ratio * ref if ref is not None else None
-            else:
-                target = row.target.limit
+            met = row.target.check(ours, base, results)
+            target = row.target.bound(base, results)
         out.append(
             Bar(
                 name=name,
@@ -228,11 +224,14 @@ def _scale_panel(ax: Any, doc: dict[str, Any]) -> None:
     first = True
     for x, name, color in marks:
         row = ROW_BY_NAME.get(name)
-        if row is None or row.target is None or row.target.limit is None or name not in results:
+        if row is None or row.target is None or name not in results:
+            continue
+        limit = row.target.bound((doc.get("baseline") or {}).get(name), results)
+        if limit is None:
             continue
         ax.plot(
             [x],
-            [row.target.limit],
+            [limit],
             marker="_",
             markersize=22,
             mew=2.5,
@@ -242,7 +241,7 @@ def _scale_panel(ax: Any, doc: dict[str, Any]) -> None:
         )
         ax.annotate(
             f"target {row.target.describe(row.unit)}",
-            (x, row.target.limit),
+            (x, limit),
             textcoords="offset points",
             xytext=(12, -3) if x == 1 else (-12, -3),
             fontsize=7,

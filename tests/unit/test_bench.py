@@ -133,17 +133,18 @@ def test_render_markdown() -> None:
         "3",
         "55.0 ms",
         "2.00×",
-        "p50 ≤ 60 ms",
+        "p50 ≤ exec_roundtrip + 30 ms",  # 5 + 30
         "✘",
     ]
     exec_ = [c.strip() for c in rows["exec_roundtrip"].split("|")[1:-1]]
-    assert exec_[-2:] == ["p50 ≤ 10 ms", "✔"]
+    # Relative to a row this run did not measure: undecided.
+    assert exec_[-2:] == ["p50 ≤ spawn_in_sandbox + 10 ms", ""]
     snap = [c.strip() for c in rows["snapshot"].split("|")[1:-1]]
-    assert snap[5:] == ["1.30×", "p50 ≤ 1.2× baseline", "✘"]
+    assert snap[5:] == ["1.30×", "p50 ≤ 1.5× baseline", "✔"]
     rss = [c.strip() for c in rows["idle_sandbox_rss_mib"].split("|")[1:-1]]
-    assert rss[1] == "70.0 MiB" and rss[-1] == "✘"
+    assert rss[1] == "70.0 MiB" and rss[-1] == ""
     fork16 = [c.strip() for c in rows["fork_16"].split("|")[1:-1]]
-    assert fork16[1] == "–" and fork16[6] == "p50 ≤ 2 s" and fork16[7] == ""
+    assert fork16[1] == "–" and fork16[6] == "p50 ≤ 1× baseline and ≤ 3 s" and fork16[7] == ""
     assert "- `fork_1`: fork: not available on this server (HTTP 404: no route)" in md
 
 
@@ -156,6 +157,16 @@ def test_targets() -> None:
     assert r.check({"p50": 120.0}, {"p50": 100.0}) is True
     assert r.check({"p50": 121.0}, {"p50": 100.0}) is False
     assert r.check({"p50": 121.0}, None) is None
+    # Relative to another row of the same run, and several bounds at once.
+    rel = report.Target("p50", row="spawn_in_sandbox", plus=10)
+    assert rel.check({"p50": 40.0}, None, {"spawn_in_sandbox": {"p50": 30.0}}) is True
+    assert rel.check({"p50": 41.0}, None, {"spawn_in_sandbox": {"p50": 30.0}}) is False
+    assert rel.check({"p50": 41.0}, None, {}) is None
+    both = report.Target("p50", 3000, ratio=1.0)
+    assert both.check({"p50": 2500.0}, {"p50": 2600.0}) is True
+    assert both.check({"p50": 2700.0}, {"p50": 2600.0}) is False  # over the baseline
+    assert both.check({"p50": 3100.0}, {"p50": 4000.0}) is False  # over 3 s
+    assert both.describe("ms") == "p50 ≤ 1× baseline and ≤ 3 s"
 
 
 def test_report_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
