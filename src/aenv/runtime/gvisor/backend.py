@@ -19,7 +19,7 @@ from aenv.errors import RuntimeFailure
 from aenv.runtime import _proc, oci, rootfs, runsc
 from aenv.runtime.base import Instance, Runtime, SandboxSpec, Stats
 from aenv.runtime.freezer import CGROUP_ROOT, Freezer
-from aenv.runtime.gvisor import bundles
+from aenv.runtime.gvisor import bundles, control
 from aenv.runtime.gvisor.container import OVERLAY_MEMORY, Container
 from aenv.runtime.gvisor.processes import Processes
 from aenv.runtime.gvisor.reconcile import Reconciler
@@ -425,7 +425,9 @@ class GVisorRuntime(Runtime):
 
     async def thaw(self, inst: Instance) -> None:
         c = self._running(inst)
-        if await asyncio.to_thread(self.freezer.is_frozen, c.cgroup):
+        if control.is_held(c.bundle_dir):
+            await asyncio.to_thread(control.let_go, c.bundle_dir)
+        elif await asyncio.to_thread(self.freezer.is_frozen, c.cgroup):
             await asyncio.to_thread(self.freezer.thaw, c.cgroup)
         else:  # paused by runsc (no freezer on this host)
             await self.runsc.resume(c.id)
@@ -433,19 +435,15 @@ class GVisorRuntime(Runtime):
     async def checkpoint(
         self, inst: Instance, image_dir: Path, *, leave_running: bool, hold: bool = False
     ) -> None:
-        if hold and not leave_running:
-            raise ValueError("hold needs leave_running")
         c = self._running(inst)
         await asyncio.to_thread(image_dir.mkdir, parents=True, exist_ok=True)
         t0 = time.perf_counter()
         # A frozen sandbox is checkpointed as it stands: runsc stops its tasks first thing.
         await asyncio.to_thread(self.procs.unfreeze, c.id, c.cgroup)
-        if hold:
-            # runsc's own pause (the sentry stops its tasks), not the cgroup freezer: a
-            # frozen sandbox answers no runsc command. A leave-running checkpoint of a paused
-            # sandbox leaves it paused, so nothing runs between the image and `thaw`.
-            await self.runsc.pause(c.id)
-        await self.network.drop_connections(c.address)
+        # `hold`: the sentry's own pause, which a leave-running checkpoint keeps (control.py).
+        state = self.runsc.sandbox_state_file(c.id)
+        held = [asyncio.to_thread(control.hold, state, c.bundle_dir)] if hold else []
+        await asyncio.gather(*held, self.network.drop_connections(c.address))
         await self.runsc.checkpoint(
             c.id,
             image_dir,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -15,6 +14,7 @@ from pathlib import Path
 from aenv.errors import RuntimeFailure
 from aenv.runtime import _proc
 from aenv.runtime.freezer import Freezer
+from aenv.runtime.gvisor import control
 from aenv.runtime.gvisor.container import Container
 from aenv.runtime.runsc import RUNNING_STATES, Runsc, gather_quiet
 
@@ -115,23 +115,12 @@ class Processes:
         await asyncio.to_thread(_proc.reap_adopted)
 
     async def is_frozen(self, c: Container) -> bool:
+        if control.is_held(c.bundle_dir):  # held around a checkpoint (`hold`)
+            return True
         if await asyncio.to_thread(self.freezer.available, c.cgroup):
-            if await asyncio.to_thread(self.freezer.is_frozen, c.cgroup):
-                return True
-            # Paused by runsc even where the freezer works: held by a checkpoint (`hold`).
-            return await asyncio.to_thread(self.paused_by_runsc, c.id)
+            return await asyncio.to_thread(self.freezer.is_frozen, c.cgroup)
         state = await self.runsc.state(c.id)  # paused by runsc (no freezer on this host)
         return state is not None and state.get("status") == "paused"
-
-    def paused_by_runsc(self, cid: str) -> bool:
-        """From runsc's state file: no command to a sandbox that may be frozen."""
-        path = self.runsc.sandbox_state_file(cid)
-        if path is None:
-            return False
-        try:
-            return bool(json.loads(path.read_text()).get("status") == "paused")
-        except (OSError, ValueError):
-            return False
 
     def commands(self) -> list[int]:
         """Pids of runsc commands on this root that still run (`checkpoint`, `restore`, …,

@@ -1,0 +1,95 @@
+"""A sandbox's own control socket: runsc's pause and resume without a runsc process.
+
+Each `runsc pause` or `resume` starts the runsc binary (~20-25 ms here) only to send one
+JSON call over the sandbox's control socket (gVisor's urpc: `{"method", "arg"}` in,
+`{"success", "err", "result"}` out, on a unix stream socket whose path runsc keeps in the
+container's state file). A live snapshot holds a sandbox around its checkpoint, so it makes
+both calls itself (~1 ms together).
+
+The sentry counts pauses, and an unmatched resume brings it down, so a hold is recorded in a
+marker file in the container's bundle before the pause and removed after the resume: the
+marker, not runsc's state file (which a direct call does not touch), says a sandbox is held,
+also to the recovery after a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+from aenv.errors import RuntimeFailure
+
+PAUSE = "containerManager.Pause"
+RESUME = "containerManager.Resume"
+HELD_MARKER = "held"
+_TIMEOUT = 30.0
+
+
+def control_socket(state_file: Path) -> str:
+    """The control socket's path from runsc's state file of the sandbox's root container."""
+    try:
+        data = json.loads(state_file.read_text())
+        return str(data["sandbox"]["controlSocketPath"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise RuntimeFailure(f"no control socket in {state_file}: {e}") from None
+
+
+def call(path: str, method: str) -> object:
+    """One urpc call without arguments; its result. Blocking: run it off the event loop."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(_TIMEOUT)
+            s.connect(path)
+            s.sendall(json.dumps({"method": method, "arg": None}).encode())
+            answer = _read_json(s)
+    except OSError as e:
+        raise RuntimeFailure(f"{method} on {path}: {e}") from None
+    if not isinstance(answer, dict) or not answer.get("success"):
+        err = answer.get("err") if isinstance(answer, dict) else answer
+        raise RuntimeFailure(f"{method} on {path} failed: {err}")
+    return answer.get("result")
+
+
+def _read_json(s: socket.socket) -> object:
+    decoder = json.JSONDecoder()
+    buf = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            raise OSError("the sandbox closed its control socket mid-answer")
+        buf += chunk
+        try:
+            value, _ = decoder.raw_decode(buf.decode())
+        except (ValueError, UnicodeDecodeError):
+            continue  # not all there yet
+        return value
+
+
+def hold(state_file: Path | None, bundle_dir: Path) -> None:
+    """Stops the sandbox's tasks (the sentry's own pause), marked in `bundle_dir`."""
+    if state_file is None:
+        raise RuntimeFailure(f"no runsc state file for the sandbox of {bundle_dir}")
+    path = control_socket(state_file)
+    marker = bundle_dir / HELD_MARKER
+    marker.write_text(path)
+    try:
+        call(path, PAUSE)
+    except BaseException:
+        marker.unlink(missing_ok=True)
+        raise
+
+
+def is_held(bundle_dir: Path) -> bool:
+    return (bundle_dir / HELD_MARKER).exists()
+
+
+def let_go(bundle_dir: Path) -> None:
+    """Ends a `hold` (no-op without one)."""
+    marker = bundle_dir / HELD_MARKER
+    try:
+        path = marker.read_text()
+    except FileNotFoundError:
+        return
+    call(path, RESUME)
+    marker.unlink(missing_ok=True)
