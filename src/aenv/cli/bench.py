@@ -95,7 +95,7 @@ def _print_table(doc: dict[str, Any]) -> None:
 def bench(
     ctx: typer.Context,
     quick: Annotated[
-        bool, typer.Option("--quick", help="Few samples per row (under 2 minutes).")
+        bool, typer.Option("--quick", help="Few samples per row (about 3 minutes).")
     ] = False,
     url: Annotated[
         str | None,
