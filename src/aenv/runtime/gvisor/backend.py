@@ -444,12 +444,9 @@ class GVisorRuntime(Runtime):
         state = self.runsc.sandbox_state_file(c.id)
         held = [asyncio.to_thread(control.hold, state, c.bundle_dir)] if hold else []
         await asyncio.gather(*held, self.network.drop_connections(c.address))
+        log_dir = c.bundle_dir if c.bundle_dir.is_dir() else None
         await self.runsc.checkpoint(
-            c.id,
-            image_dir,
-            leave_running=leave_running,
-            log_dir=c.bundle_dir if c.bundle_dir.is_dir() else None,
-            overlay=c.overlay,
+            c.id, image_dir, leave_running=leave_running, log_dir=log_dir, overlay=c.overlay
         )
         if not leave_running:
             # The sandbox exits, though `runsc state` may still say running for a while.
