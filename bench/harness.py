@@ -25,21 +25,13 @@ from .machine import machine_info
 from .plan import NullProgress, Plan, Progress
 from .report import REQUIRED
 from .scenarios import ServerRows
+from .scenarios_lifecycle import RUNNING_ROWS
 from .server import BenchServer, build_base, remove_home
 from .stats import Results
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 LOCK_PATH = Path("/run/lock/aenv-bench.lock")
 
-RUNNING_ROWS = [
-    "exec_roundtrip",
-    "spawn_in_sandbox",
-    "file_write_1mib",
-    "file_read_1mib",
-    "pause",
-    "resume",
-    "snapshot",
-]
 CMDS_ROWS = ["snapshot_after_1000_cmds", "snapshot_after_1000_cmds_mib"]
 FORK_ROWS = ["fork_1", "fork_4", "fork_16"]
 CONCURRENT_ROWS = [

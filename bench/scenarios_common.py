@@ -129,9 +129,9 @@ class RowsBase:
         stages["first_exec"] = ran.ms
         return sbx, total, stages
 
-    async def kill(self, sandboxes: Iterable[Sbx | str]) -> None:
-        """Kills, then waits until their host processes are gone (so the next sample does
-        not share the CPU with a teardown)."""
+    async def kill(self, sandboxes: Iterable[Sbx | str], *, at_once: int = 0) -> None:
+        """Kills (`at_once` at a time, 0: all), then waits until their host processes are
+        gone (so the next sample does not share the CPU with a teardown)."""
         ids = [s.sandbox_id if isinstance(s, Sbx) else s for s in sandboxes]
         if not ids:
             return
@@ -139,7 +139,13 @@ class RowsBase:
         if self.local:
             found = await asyncio.to_thread(hostproc.scan, ids)
             pids = [p for procs in found.values() for p in procs.main]
-        results = await asyncio.gather(*(self.api.kill(i) for i in ids), return_exceptions=True)
+        sem = asyncio.Semaphore(at_once or len(ids))
+
+        async def one(sid: str) -> None:
+            async with sem:
+                await self.api.kill(sid)
+
+        results = await asyncio.gather(*(one(i) for i in ids), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if pids:
             await wait_until(lambda: not hostproc.any_alive(pids), SETTLE_TIMEOUT)
@@ -163,9 +169,9 @@ class RowsBase:
         while self._bg:
             await asyncio.gather(*list(self._bg), return_exceptions=True)
 
-    async def _quiet_kill(self, sandboxes: Iterable[Sbx | str]) -> None:
+    async def _quiet_kill(self, sandboxes: Iterable[Sbx | str], *, at_once: int = 0) -> None:
         try:
-            await self.kill(sandboxes)
+            await self.kill(sandboxes, at_once=at_once)
         except BenchError as exc:
             self.progress.log(str(exc))
 

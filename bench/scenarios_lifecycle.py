@@ -12,6 +12,17 @@ from . import hostdisk, hostproc
 from .client import Abort, BenchError, Missing, Sbx, random_payload
 from .scenarios_common import POOL_REFILL_WAIT, PROBE_ID, RowsBase
 
+# The rows measured on one long-lived sandbox (`running_sandbox_rows`).
+RUNNING_ROWS = [
+    "exec_roundtrip",
+    "spawn_in_sandbox",
+    "file_write_1mib",
+    "file_read_1mib",
+    "pause",
+    "resume",
+    "snapshot",
+]
+
 FILE_PATH = "/tmp/aenv-bench-1mib"
 FILE_SIZE = 1 << 20
 DIRTY_DIR = "/var/tmp/aenv-bench-dirty"
@@ -111,15 +122,7 @@ class LifecycleRows(RowsBase):
 
     async def running_sandbox_rows(self) -> None:
         """exec, files, pause/resume and snapshot, on one long-lived sandbox."""
-        rows = [
-            "exec_roundtrip",
-            "spawn_in_sandbox",
-            "file_write_1mib",
-            "file_read_1mib",
-            "pause",
-            "resume",
-            "snapshot",
-        ]
+        rows = RUNNING_ROWS
         if not any(self.want(r) for r in rows):
             return
         p = self.plan

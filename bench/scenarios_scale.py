@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from . import hostproc
 from .client import BenchError, Sbx
-from .scenarios_common import POOL_REFILL_WAIT, SETTLE_TIMEOUT, RowsBase, sample_loop, wait_until
+from .scenarios_common import POOL_REFILL_WAIT, RowsBase, sample_loop
 
 CONCURRENT_MEMORY_MB = 256
 # The idle sandboxes filling the node (the smallest size the API takes: the node's memory
@@ -148,7 +148,7 @@ class ScaleRows(RowsBase):
                 await self._list_row(filler)
         finally:
             self.progress.step(f"kill {len(filler)} sandboxes", 1)
-            await self._kill_many(filler)
+            await self._quiet_kill(filler, at_once=16)
             self.progress.advance()
 
     async def _listed(self) -> list[object]:
@@ -308,24 +308,3 @@ class ScaleRows(RowsBase):
             return t.ms, t.stages
 
         await self._loop_side([LIST_ROW], n, one, baseline)
-
-    async def _kill_many(self, ids: list[str]) -> None:
-        """Kills (16 at once), then waits until their host processes are gone."""
-        if not ids:
-            return
-        pids: list[int] = []
-        if self.local:
-            found = await asyncio.to_thread(hostproc.scan, ids)
-            pids = [p for procs in found.values() for p in procs.main]
-        sem = asyncio.Semaphore(16)
-
-        async def one(sid: str) -> None:
-            async with sem:
-                try:
-                    await self.api.kill(sid)
-                except BenchError as exc:
-                    self.progress.log(str(exc))
-
-        await asyncio.gather(*(one(s) for s in ids))
-        if pids:
-            await wait_until(lambda: not hostproc.any_alive(pids), SETTLE_TIMEOUT)
