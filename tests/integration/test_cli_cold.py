@@ -16,19 +16,10 @@ from pathlib import Path
 import pytest
 
 from .conftest import AENV, Server
-from .test_registry import BUSYBOX, REGISTRY_BIN, SKOPEO, Layout, push
+from .test_registry import NEEDS_REGISTRY, Layout, push
 from .test_templates import _start_registry, busybox_rootfs
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(
-        os.geteuid() != 0
-        or not os.path.exists(REGISTRY_BIN)
-        or SKOPEO is None
-        or not BUSYBOX.is_file(),
-        reason="needs root, docker-registry, skopeo and busybox-static (scripts/install-system.sh)",
-    ),
-]
+pytestmark = [pytest.mark.integration, NEEDS_REGISTRY]
 
 
 @pytest.fixture(scope="module")

@@ -51,16 +51,15 @@ REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
 SKOPEO = shutil.which("skopeo")
 BUSYBOX = Path("/bin/busybox")
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(
-        os.geteuid() != 0
-        or not os.path.exists(REGISTRY_BIN)
-        or SKOPEO is None
-        or not BUSYBOX.is_file(),
-        reason="needs root, docker-registry, skopeo and busybox-static (scripts/install-system.sh)",
-    ),
-]
+# What a test that pushes images to a local registry needs (here and beside it).
+NEEDS_REGISTRY = pytest.mark.skipif(
+    os.geteuid() != 0
+    or not os.path.exists(REGISTRY_BIN)
+    or SKOPEO is None
+    or not BUSYBOX.is_file(),
+    reason="needs root, docker-registry, skopeo and busybox-static (scripts/install-system.sh)",
+)
+pytestmark = [pytest.mark.integration, NEEDS_REGISTRY]
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"

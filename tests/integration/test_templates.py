@@ -32,24 +32,15 @@ from tests.helpers import wait_healthy
 from .conftest import AENV, TEST_REGISTRY, Server, running_server
 from .test_registry import (
     BUSYBOX,
+    NEEDS_REGISTRY,
     REGISTRY_BIN,
-    SKOPEO,
     Entry,
     Layout,
     Registry,
     push,
 )
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(
-        os.geteuid() != 0
-        or not os.path.exists(REGISTRY_BIN)
-        or SKOPEO is None
-        or not BUSYBOX.is_file(),
-        reason="needs root, docker-registry, skopeo and busybox-static (scripts/install-system.sh)",
-    ),
-]
+pytestmark = [pytest.mark.integration, NEEDS_REGISTRY]
 
 PASSWD_ROOT = (
     b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
