@@ -440,9 +440,10 @@ class GVisorRuntime(Runtime):
         t0 = time.perf_counter()
         # A frozen sandbox is checkpointed as it stands: runsc stops its tasks first thing.
         await asyncio.to_thread(self.procs.unfreeze, c.id, c.cgroup)
-        # `hold`: the sentry's own pause, which a leave-running checkpoint keeps (control.py).
-        state = self.runsc.sandbox_state_file(c.id)
-        held = [asyncio.to_thread(control.hold, state, c.bundle_dir)] if hold else []
+        held = []  # `hold`: the sentry's own pause, kept by a leave-running checkpoint
+        if hold:
+            state = self.runsc.sandbox_state_file(c.id)
+            held.append(asyncio.to_thread(control.hold, state, c.bundle_dir))
         await asyncio.gather(*held, self.network.drop_connections(c.address))
         log_dir = c.bundle_dir if c.bundle_dir.is_dir() else None
         await self.runsc.checkpoint(
