@@ -19,8 +19,9 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import subprocess
 from pathlib import Path
+
+from .layers import copy_tree
 
 OPAQUE = "trusted.overlay.opaque"
 
@@ -61,11 +62,7 @@ def _copy_xattrs(src: Path, dst: Path) -> None:
 def _copy_entry(src: Path, dst: Path, st: os.stat_result) -> None:
     """One entry as it is (a directory with all it holds)."""
     if stat.S_ISDIR(st.st_mode):
-        r = subprocess.run(
-            ["cp", "-a", "--", str(src), str(dst)], capture_output=True, text=True, check=False
-        )
-        if r.returncode != 0:
-            raise OSError(f"cp -a {src} {dst} failed: {r.stderr.strip()}")
+        copy_tree(src, dst, link=False)
         return
     if stat.S_ISLNK(st.st_mode):
         os.symlink(os.readlink(src), dst)
