@@ -204,6 +204,10 @@ class Settings(BaseSettings):
     # directories under rw/ with no limit. `disk_spares` formatted images wait for creates.
     disk_limits: bool = True
     disk_spares: int = 2
+    # Where layers and uppers live (`runtime/cowpool.py`), chosen at a home's first start:
+    # `btrfs`, one pool file (snapshots copy uppers by reflink); `ext4`, a disk image each;
+    # `auto`, btrfs where the kernel and btrfs-progs have it.
+    storage: Literal["auto", "btrfs", "ext4"] = "auto"
     default_timeout: int = 300
     max_timeout: int = 24 * 3600
 

@@ -31,14 +31,16 @@ def prepare_home(settings: Settings) -> None:
 def build_orchestrator(settings: Settings) -> Orchestrator:
     from .images.layers import LayerStore
     from .runtime.bundle import ensure_bundle
+    from .runtime.cowpool import open_pool
     from .runtime.gvisor import GVisorRuntime
 
     prepare_home(settings)
     catalog = Catalog(settings.catalog_path)
+    pool = open_pool(settings)  # before the layer store: it may mount layers/
     layers = LayerStore(settings)
     bundle = ensure_bundle(settings)
     runtime = GVisorRuntime(settings)
-    storage = SandboxStorage(settings, layers)
+    storage = SandboxStorage(settings, layers, pool)
     repo = open_repository(settings.snapshots, settings.repo_dir)
     durable = Durable(
         SnapshotStore(settings.snapshots, repo, layers, cache_dir=settings.cache_dir),

@@ -21,6 +21,7 @@ from ..domain import TemplateKind, TemplateRecord
 from ..fsutil import flock
 from ..images.layers import LayerStore
 from ..orchestrator.catalog import Catalog
+from ..runtime.cowpool import open_pool
 from .base_rootfs import (
     PATH,
     SUITE,
@@ -95,6 +96,8 @@ def build_base(
     with debootstrap first when missing) into the layer store and registers the template.
     `force` rebuilds everything, debootstrap included (downloaded .debs stay cached).
     """
+    if os.geteuid() == 0:
+        open_pool(settings)  # the node's btrfs pool may hold layers/: mounted first
     if not force:
         layers = base_is_current(settings)
         if layers:

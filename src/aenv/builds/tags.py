@@ -123,9 +123,7 @@ class Tags:
 
     # ------------------------------------------------------------------ changing
     @contextlib.asynccontextmanager
-    async def placing(
-        self, template_id: str, build_id: str, tags: list[str]
-    ) -> AsyncIterator[str]:
+    async def placing(self, template_id: str, build_id: str, tags: list[str]) -> AsyncIterator[str]:
         """Around registering a finished build: yields the id to register it under (the
         template's when it takes `default`), first pinning the current default build if
         tags stay on it; afterwards points the tags at the build and syncs the catalog."""

@@ -17,10 +17,10 @@ by hand) is not seen, as rsync would not see it either.
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 from pathlib import Path
 
+from ..fsutil import clone_file
 from .layers import copy_tree
 
 OPAQUE = "trusted.overlay.opaque"
@@ -67,7 +67,7 @@ def _copy_entry(src: Path, dst: Path, st: os.stat_result) -> None:
     if stat.S_ISLNK(st.st_mode):
         os.symlink(os.readlink(src), dst)
     elif stat.S_ISREG(st.st_mode):
-        shutil.copyfile(src, dst, follow_symlinks=False)
+        clone_file(src, dst)
         _copy_xattrs(src, dst)
     else:  # whiteouts (0/0 character devices), devices, fifos, sockets
         os.mknod(dst, st.st_mode, st.st_rdev)

@@ -156,8 +156,10 @@ def copy_tree(src: Path, dst: Path, *, link: bool) -> None:
     if dst.exists():
         raise LayerError(f"{dst} exists")
     flags = "-al" if link else "-a"
+    # A copy on one btrfs/XFS filesystem shares the files' extents (metadata only).
+    cmd = ["cp", flags] if link else ["cp", flags, "--reflink=auto"]
     r = subprocess.run(
-        ["cp", flags, "--", str(src), str(dst)], capture_output=True, text=True, check=False
+        [*cmd, "--", str(src), str(dst)], capture_output=True, text=True, check=False
     )
     if r.returncode != 0:
         if link and ("cross-device" in r.stderr.lower() or "invalid cross" in r.stderr.lower()):

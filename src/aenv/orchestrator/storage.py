@@ -4,6 +4,9 @@ Layout under $AENV_HOME:
     rw/<sandbox_id>/<generation>/upper    the overlay upper the sandbox writes into
     disks/<sandbox_id>.ext4               the disk mounted on rw/<sandbox_id> (its size limit,
                                           `runtime/disks.py`; without disk limits rw/ is plain)
+    store.btrfs                           or, instead of the disks, the btrfs pool holding
+                                          layers/ and rw/ (`runtime/cowpool.py`): each
+                                          rw/<sandbox_id> a subvolume with its size as quota
     images/<name>/                        a runsc checkpoint image (memory + processes)
 
 A snapshot *seals* the current upper: it is renamed into the layer store as a new read-only
@@ -25,12 +28,12 @@ from ..fsutil import private_dir
 from ..images.cache import LayerCache, holder
 from ..images.diffcopy import copy_changes
 from ..images.layers import LayerError, LayerStore
-from ..runtime.disks import Disks
-from ..runtime.rootfs import is_mount_point
+from ..runtime.cowpool import CowPool
+from ..runtime.disks import Disks, SandboxDisks
 
 
 class SandboxStorage:
-    def __init__(self, settings: Settings, layers: LayerStore) -> None:
+    def __init__(self, settings: Settings, layers: LayerStore, pool: CowPool | None = None) -> None:
         self.settings = settings
         self.layers = layers
         # Who holds which layer (sandboxes, templates): held layers are never evicted.
@@ -38,11 +41,10 @@ class SandboxStorage:
         # Sandboxes' own files and memory: for root alone (fsutil's docstring).
         private_dir(settings.rw_dir)
         private_dir(settings.images_dir)
-        self.disks = (
-            Disks(settings.disks_dir, settings.rw_dir, spares=settings.disk_spares)
-            if settings.disk_limits
-            else None
-        )
+        # `pool`: the node's btrfs pool (`open_pool`), which copies uppers by reflink.
+        self.disks: SandboxDisks | None = pool
+        if pool is None and settings.disk_limits:
+            self.disks = Disks(settings.disks_dir, settings.rw_dir, spares=settings.disk_spares)
 
     def first_upper(self, sandbox_id: str) -> Path:
         """Where a new sandbox's upper will be (made by `ensure_upper` when it boots)."""
@@ -155,23 +157,15 @@ class SandboxStorage:
 
     def attach_disk(self, sandbox_id: str, disk_mb: int) -> None:
         """Mounts the sandbox's disk if it has one and it is not (after a host reboot)."""
-        if self.disks is not None and self.disks.image(sandbox_id).exists():
-            self.disks.attach(sandbox_id, disk_mb)
+        if self.disks is not None:
+            self.disks.remount(sandbox_id, disk_mb)
 
     def disk_usage(self, sandbox_id: str, disk_mb: int) -> tuple[int, int]:
         """(used, total) bytes of the sandbox's own disk; without disk limits there is no
         filesystem of its own to ask, so (0, its nominal size)."""
-        total = disk_mb * 1024 * 1024
         if self.disks is None:
-            return 0, total
-        target = self.disks.mount_point(sandbox_id)
-        if not is_mount_point(target):
-            return 0, total
-        try:
-            sv = os.statvfs(target)
-        except OSError:
-            return 0, total
-        return (sv.f_blocks - sv.f_bfree) * sv.f_frsize, sv.f_blocks * sv.f_frsize
+            return 0, disk_mb * 1024 * 1024
+        return self.disks.usage(sandbox_id, disk_mb)
 
     def sweep_images(self, used: set[str]) -> int:
         """At start-up: removes the memory images nothing refers to (partly written by an

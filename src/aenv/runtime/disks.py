@@ -19,6 +19,7 @@ import secrets
 import subprocess
 import threading
 from pathlib import Path
+from typing import Protocol
 
 from aenv.errors import RuntimeFailure
 from aenv.runtime.rootfs import is_mount_point
@@ -30,7 +31,34 @@ _SPARE = "spare-"
 _MOUNT_OPTIONS = "loop,nosuid,nodev,noatime"
 # No root-reserved blocks (the sandbox is the only user); inode tables and the journal
 # initialised lazily, so formatting writes only a few MiB whatever the size.
-_MKFS = ["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"]
+_MKFS = [
+    "mkfs.ext4",
+    "-q",
+    "-F",
+    "-m",
+    "0",
+    "-E",
+    "lazy_itable_init=1,lazy_journal_init=1,nodiscard",
+]
+
+
+class SandboxDisks(Protocol):
+    """Where a sandbox's uppers live with its size limit: an ext4 image each (`Disks`) or a
+    subvolume each of the node's btrfs pool (`cowpool.CowPool`)."""
+
+    def mount_point(self, sandbox_id: str) -> Path: ...
+
+    def attach(self, sandbox_id: str, size_mb: int) -> Path: ...
+
+    def detach(self, sandbox_id: str) -> None: ...
+
+    def remount(self, sandbox_id: str, size_mb: int) -> None: ...
+
+    def owners(self) -> set[str]: ...
+
+    def refill(self, size_mb: int) -> None: ...
+
+    def usage(self, sandbox_id: str, size_mb: int) -> tuple[int, int]: ...
 
 
 class Disks:
@@ -58,7 +86,7 @@ class Disks:
         if not image.exists():
             self._take_spare(image, size_mb) or self._format(image, size_mb)
         target.mkdir(parents=True, exist_ok=True)
-        _run(["mount", "-o", _MOUNT_OPTIONS, str(image), str(target)], f"mounting {image}")
+        run_tool(["mount", "-o", _MOUNT_OPTIONS, str(image), str(target)], f"mounting {image}")
         # Only root (the gofer) walks the sandbox's files on the host.
         target.chmod(0o700)
         with contextlib.suppress(FileNotFoundError):
@@ -74,6 +102,23 @@ class Disks:
             subprocess.run(["umount", "-l", str(target)], capture_output=True, check=False)
         with contextlib.suppress(FileNotFoundError):
             self.image(sandbox_id).unlink()
+
+    def remount(self, sandbox_id: str, size_mb: int) -> None:
+        """Mounts the sandbox's disk again if it has one (after a host reboot)."""
+        if self.image(sandbox_id).exists():
+            self.attach(sandbox_id, size_mb)
+
+    def usage(self, sandbox_id: str, size_mb: int) -> tuple[int, int]:
+        """(used, total) bytes of the sandbox's disk, as its filesystem counts them."""
+        total = size_mb * 1024 * 1024
+        target = self.mount_point(sandbox_id)
+        if not is_mount_point(target):
+            return 0, total
+        try:
+            sv = os.statvfs(target)
+        except OSError:
+            return 0, total
+        return (sv.f_blocks - sv.f_bfree) * sv.f_frsize, sv.f_blocks * sv.f_frsize
 
     def owners(self) -> set[str]:
         """The sandbox ids that have a disk image here (spares excluded)."""
@@ -120,7 +165,7 @@ class Disks:
         try:
             with open(image, "wb") as f:
                 f.truncate(size_mb * 2**20)
-            _run([*_MKFS, str(image)], f"formatting {image}")
+            run_tool([*_MKFS, str(image)], f"formatting {image}")
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 image.unlink()
@@ -135,7 +180,7 @@ def _size_mb(image: Path) -> int:
         return -1
 
 
-def _run(args: list[str], what: str) -> None:
+def run_tool(args: list[str], what: str) -> None:
     p = subprocess.run(args, capture_output=True, text=True, check=False)
     if p.returncode != 0:
         raise RuntimeFailure(f"{what}: {(p.stderr or p.stdout).strip() or p.returncode}")

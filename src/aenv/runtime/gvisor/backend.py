@@ -197,9 +197,7 @@ class GVisorRuntime(Runtime):
             if held is not None:
                 self._busy.discard(held.id)
             raise
-        c = Container.for_spec(
-            spec, cid, slot, self.settings.sandboxes_dir, self.procs.cgroup(cid)
-        )
+        c = Container.for_spec(spec, cid, slot, self.settings.sandboxes_dir, self.procs.cgroup(cid))
         if held is not None:
             self._live.pop(held.id, None)
         self._live[cid] = c
