@@ -5,6 +5,7 @@ hold marker that recovery reads."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ class Sentry:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.calls: list[str] = []
+        self.args: list[object] = []
         self.paused = 0
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
@@ -36,9 +38,16 @@ class Sentry:
             except OSError:
                 return
             with conn:
-                msg = json.loads(conn.recv(65536).decode())
+                data, fds, _, _ = socket.recv_fds(conn, 65536, 8)
+                msg = json.loads(data.decode())
                 self.calls.append(msg["method"])
+                self.args.append(msg["arg"])
                 ok, err = True, ""
+                if msg["method"] == control.CHECKPOINT:
+                    for i, fd in enumerate(fds):  # what the sentry saves, file by file
+                        os.write(fd, f"part {i}".encode())
+                for fd in fds:
+                    os.close(fd)
                 if msg["method"] == control.PAUSE:
                     self.paused += 1
                 elif msg["method"] == control.RESUME:
@@ -91,3 +100,23 @@ def test_no_socket_means_no_hold(tmp_path: Path) -> None:
     state.write_text("{}")
     with pytest.raises(RuntimeFailure, match="no control socket"):
         control.control_socket(state)
+
+
+def test_a_checkpoint_hands_the_sentry_its_image_files(
+    sentry: tuple[Sentry, Path, Path], tmp_path: Path
+) -> None:
+    s, _, _ = sentry
+    image = tmp_path / "image"
+    image.mkdir()
+    control.checkpoint(str(s.path), image, leave_running=True, timeout=5)
+    assert s.calls == [control.CHECKPOINT]
+    arg = s.args[0]
+    assert isinstance(arg, dict)
+    assert arg["Resume"] is True and arg["have_pages_file"] is True
+    assert arg["metadata"] == {"compression": "none"}
+    # The files `runsc restore` reads, in the sentry's order, written through the fds.
+    assert [(image / n).read_text() for n in control.IMAGE_FILES] == ["part 0", "part 1", "part 2"]
+    # An image is never written over: a second checkpoint into it fails before any call.
+    with pytest.raises(RuntimeFailure, match="checkpoint.img"):
+        control.checkpoint(str(s.path), image, leave_running=False, timeout=5)
+    assert s.calls == [control.CHECKPOINT]

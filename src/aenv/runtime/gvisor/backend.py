@@ -438,14 +438,21 @@ class GVisorRuntime(Runtime):
         t0 = time.perf_counter()
         # A frozen sandbox is checkpointed as it stands: runsc stops its tasks first thing.
         await asyncio.to_thread(self.procs.unfreeze, c.id, c.cgroup)
+        state = self.runsc.sandbox_state_file(c.id)
         held = []  # `hold`: the sentry's own pause, kept by a leave-running checkpoint
         if hold:
-            state = self.runsc.sandbox_state_file(c.id)
             held.append(asyncio.to_thread(control.hold, state, c.bundle_dir))
         await asyncio.gather(*held, self.network.drop_connections(c.address))
-        log_dir = c.bundle_dir if c.bundle_dir.is_dir() else None
-        await self.runsc.checkpoint(
-            c.id, image_dir, leave_running=leave_running, log_dir=log_dir, overlay=c.overlay
+        if state is None:
+            raise RuntimeFailure(f"no runsc state file for {c.id}")
+        # Straight to the sandbox's control socket: what `runsc checkpoint` would send,
+        # without starting runsc (~20 ms).
+        await asyncio.to_thread(
+            control.checkpoint,
+            control.control_socket(state),
+            image_dir,
+            leave_running=leave_running,
+            timeout=600.0,
         )
         if not leave_running:
             # The sandbox exits, though `runsc state` may still say running for a while.

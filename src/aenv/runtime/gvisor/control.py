@@ -1,10 +1,11 @@
-"""A sandbox's own control socket: runsc's pause and resume without a runsc process.
+"""A sandbox's own control socket: runsc's pause, resume and checkpoint without a runsc
+process.
 
-Each `runsc pause` or `resume` starts the runsc binary (~20-25 ms here) only to send one
-JSON call over the sandbox's control socket (gVisor's urpc: `{"method", "arg"}` in,
+Each `runsc pause`, `resume` or `checkpoint` starts the runsc binary (~20-25 ms here) only to
+send one JSON call over the sandbox's control socket (gVisor's urpc: `{"method", "arg"}` in,
 `{"success", "err", "result"}` out, on a unix stream socket whose path runsc keeps in the
-container's state file). A live snapshot holds a sandbox around its checkpoint, so it makes
-both calls itself (~1 ms together).
+container's state file; a call's files ride along as SCM_RIGHTS). A live snapshot holds a
+sandbox around its checkpoint, so it makes all three calls itself.
 
 The sentry counts pauses, and an unmatched resume brings it down, so a hold is recorded in a
 marker file in the container's bundle before the pause and removed after the resume: the
@@ -14,7 +15,9 @@ also to the recovery after a crash.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -22,6 +25,10 @@ from aenv.errors import RuntimeFailure
 
 PAUSE = "containerManager.Pause"
 RESUME = "containerManager.Resume"
+CHECKPOINT = "containerManager.Checkpoint"
+# The image's files in the order the sentry takes them (runsc/boot/restore.go), the same
+# names `runsc checkpoint --compression=none` writes and `runsc restore` reads.
+IMAGE_FILES = ("checkpoint.img", "pages_meta.img", "pages.img")
 HELD_MARKER = "held"
 _TIMEOUT = 30.0
 
@@ -35,13 +42,50 @@ def control_socket(state_file: Path) -> str:
         raise RuntimeFailure(f"no control socket in {state_file}: {e}") from None
 
 
-def call(path: str, method: str) -> object:
-    """One urpc call without arguments; its result. Blocking: run it off the event loop."""
+def checkpoint(path: str, image_dir: Path, *, leave_running: bool, timeout: float) -> None:
+    """`runsc checkpoint --compression=none [--leave-running]` as the sandbox's own call: the
+    sentry writes its state and memory into three new files of `image_dir`. A held sandbox
+    stays held (the sentry counts pauses). Blocking: run it off the event loop."""
+    fds: list[int] = []
+    try:
+        for name in IMAGE_FILES:
+            flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC
+            try:
+                fds.append(os.open(image_dir / name, flags, 0o644))
+            except OSError as e:
+                raise RuntimeFailure(f"checkpoint image {image_dir / name}: {e}") from None
+        opts = {
+            "key": None,
+            "metadata": {"compression": "none"},
+            "MemoryFileSaveOpts": {"ExcludeCommittedZeroPages": False},
+            "have_pages_file": True,
+            "Resume": leave_running,
+        }
+        call(path, CHECKPOINT, opts, fds=fds, timeout=timeout)
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def call(
+    path: str,
+    method: str,
+    arg: object = None,
+    *,
+    fds: list[int] | None = None,
+    timeout: float = _TIMEOUT,
+) -> object:
+    """One urpc call; its result. Blocking: run it off the event loop."""
+    data = json.dumps({"method": method, "arg": arg}).encode()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(_TIMEOUT)
+            s.settimeout(timeout)
             s.connect(path)
-            s.sendall(json.dumps({"method": method, "arg": None}).encode())
+            # The files go with the message's first bytes, in one sendmsg.
+            sent = socket.send_fds(s, [data], fds) if fds else 0
+            if sent < len(data):
+                s.sendall(data[sent:])
             answer = _read_json(s)
     except OSError as e:
         raise RuntimeFailure(f"{method} on {path}: {e}") from None
