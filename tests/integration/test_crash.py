@@ -92,11 +92,13 @@ def host(node: Server) -> dict[str, set[str]]:
         "bundles": {p.name for p in (home / "sandboxes").glob("*") if p.is_dir()},
         "mounts": {str(p) for p in mount_points(home / "sandboxes")},
         "disk mounts": {p.name for p in mount_points(home / "rw") if p.parent == home / "rw"},
+        # ext4 images, or the subvolumes of a btrfs pool (a subvolume's root is inode 256).
         "disks": {
             p.name.removesuffix(".ext4")
             for p in (home / "disks").glob("*.ext4")
             if not p.name.startswith("spare-")
-        },
+        }
+        | {p.name for p in (home / "rw").glob("*") if p.is_dir() and p.stat().st_ino == 256},
         "netns": {
             n.split()[0] for n in netns.splitlines() if n.split() and n.startswith(f"{PREFIX}-")
         },

@@ -37,7 +37,8 @@ log = logging.getLogger("aenv.runtime")
 
 IMAGE = "store.btrfs"
 _SUBVOLUMES = ("layers", "rw")
-_MOUNT_OPTIONS = "noatime,nodev"
+# commit=5: quotas (the usage metrics read) are counted per transaction, 30 s apart by default.
+_MOUNT_OPTIONS = "noatime,nodev,commit=5"
 # Sandboxes' metric samples ask for their usage every few seconds: one `qgroup show` answers
 # for all of them, for this long.
 _USAGE_TTL = 2.0
