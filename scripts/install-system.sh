@@ -3,7 +3,7 @@
 # everything present touches nothing and returns in well under a second.
 set -eu
 
-PKGS="runsc debootstrap iproute2 iptables util-linux e2fsprogs btrfs-progs procps ca-certificates \
+PKGS="runsc debootstrap iproute2 iptables util-linux e2fsprogs btrfs-progs procps ca-certificates gcc libc6-dev \
 curl redis-server docker-registry skopeo psmisc python3-venv busybox-static \
 chromium fonts-liberation"
 

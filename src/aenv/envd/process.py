@@ -11,6 +11,7 @@ import errno
 import os
 import signal
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import journal
@@ -97,17 +98,25 @@ class ProcessManager:
         sub = proc.subscribe()
 
         kw: dict[str, Any] = {}
-        if os.getuid() == 0:
-            if user.uid != 0 or user.gid != 0:
-                kw.update(user=user.uid, group=user.gid, extra_groups=list(user.groups))
-            else:
-                kw.update(extra_groups=list(user.groups))
-        elif user.uid != os.getuid():
+        argv = [_shell_fallback(cmd), *args]
+        report = report_w = -1  # aenv-spawn-as's error pipe, when it is used
+        if os.getuid() != 0 and user.uid != os.getuid():
             raise RPCError("permission_denied", "envd is not root and cannot switch users")
 
         child_fds: list[int] = []
         parent_fds: list[int] = []
         try:
+            if os.getuid() == 0 and use_pty:
+                # The PTY's controlling-terminal hook makes subprocess fork anyway.
+                kw.update(user=user.uid, group=user.gid, extra_groups=list(user.groups))
+            elif os.getuid() == 0 and SPAWN_AS.exists():
+                report, report_w = os.pipe2(os.O_CLOEXEC)
+                child_fds.append(report_w)
+                groups = ",".join(map(str, user.groups)) or "-"
+                argv = [str(SPAWN_AS), str(user.uid), str(user.gid), groups, str(report_w), *argv]
+                kw.update(pass_fds=(report_w,))
+            elif os.getuid() == 0:
+                kw.update(user=user.uid, group=user.gid, extra_groups=list(user.groups))
             if use_pty:
                 master, slave = os.openpty()
                 parent_fds.append(master)
@@ -133,7 +142,7 @@ class ProcessManager:
                     stdin = subprocess.DEVNULL
             try:
                 popen = subprocess.Popen(
-                    [_shell_fallback(cmd), *args],
+                    argv,
                     stdin=stdin,
                     stdout=stdout,
                     stderr=stderr,
@@ -143,6 +152,9 @@ class ProcessManager:
                     close_fds=True,
                     **kw,
                 )
+                if report >= 0:
+                    close_quiet(child_fds.pop(child_fds.index(report_w)))  # EOF = exec'd
+                    _spawned_as(popen, report, argv[5])
             except FileNotFoundError as e:
                 raise RPCError("invalid_argument", f"failed to start process: {e}") from None
             except PermissionError as e:
@@ -162,6 +174,8 @@ class ProcessManager:
         finally:
             for fd in child_fds:
                 close_quiet(fd)
+            if report >= 0:
+                close_quiet(report)
 
         proc.popen = popen
         proc.pid = popen.pid
@@ -298,6 +312,26 @@ class ProcessManager:
             p + "CloseStdin": Method("unary", self.close_stdin),
             p + "Update": Method("unary", self.update),
         }
+
+
+# envd's static helper in its bundle (`spawn_as.c`): it switches credentials and execs, so
+# that subprocess can vfork it (CPython forks as soon as it must switch them itself, and a
+# fork of envd costs 20-40 ms in gVisor). Absent (envd run from source), envd forks.
+SPAWN_AS = Path(__file__).resolve().parents[2] / "bin" / "aenv-spawn-as"
+
+
+def _spawned_as(popen: Any, report: int, program: str) -> None:
+    """Waits for aenv-spawn-as to exec `program` (its error pipe closes) or to fail (it writes
+    `STAGE:ERRNO` and exits): a failure is raised as the OSError subprocess would raise."""
+    data = b""
+    while chunk := os.read(report, 64):
+        data += chunk
+    if not data:
+        return
+    popen.wait()
+    stage, _, num = data.decode(errors="replace").partition(":")
+    code = int(num) if num.isdigit() else errno.EIO
+    raise OSError(code, f"{os.strerror(code)} ({stage})", program)
 
 
 def _shell_fallback(cmd: str) -> str:
