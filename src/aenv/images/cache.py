@@ -94,19 +94,32 @@ class LayerCache:
         self.store = store
         self.db_path = db_path or store.root / "refs.db"
         self._ready = False
+        # One connection per thread, kept: opening one costs more than most calls here.
+        self._local = threading.local()
 
     @contextlib.contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
-        if not self._ready:
-            private_sqlite(self.db_path)
-        conn = sqlite3.connect(self.db_path, timeout=60, isolation_level=None)
-        try:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            if not self._ready:
+                private_sqlite(self.db_path)
+            conn = sqlite3.connect(
+                self.db_path, timeout=60, isolation_level=None, check_same_thread=False
+            )
+            # As the catalog: a WAL commit is not fsynced (an fsync per reference costs ms on
+            # the btrfs pool); a host crash may lose the last references, which the node takes
+            # again from its catalog at start-up (templates' and sandboxes' layers).
+            conn.execute("PRAGMA synchronous=NORMAL")
             if not self._ready:
                 _prepare(conn)
                 self._ready = True
+            self._local.conn = conn
+        try:
             yield conn
-        finally:
-            conn.close()
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
 
     # --- references ---
     def ref(self, digest: str, holder: str) -> None:

@@ -211,6 +211,12 @@ class Recovery:
         dirs = await asyncio.to_thread(self.storage.sweep_uppers, uppers)
         images = await asyncio.to_thread(self.storage.sweep_images, {u for u in used if u})
         holds = await asyncio.to_thread(self.storage.sweep_holds, set(uppers))
+        # Layer references are not fsynced (images/cache.py): a host crash may have lost the
+        # last ones, so each sandbox's are taken again (templates' are, by `Templates.start`).
+        for r in records:
+            await asyncio.to_thread(
+                self.storage.hold, "sandbox", r.sandbox_id, [*r.copied_as, *r.layers]
+            )
         if dirs or images or holds:
             log.info(
                 "start-up sweep: %d leftover upper dirs, %d memory images, %d layer holds",

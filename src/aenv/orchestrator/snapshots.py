@@ -236,12 +236,14 @@ class Snapshotter:
             snap.boot_from_layers = list(boot_of.layers)
             snap.boot_run = self.ctx.run_id
         try:
-            await self.templates.register(snap)
+            with t.stage("register"):
+                await self.templates.register(snap)
             crashpoint.hit("snapshot.registered")
             if kept:
                 if back is None:  # else the restore clears it
                     r.pending = None
-                await self.table.save(r)
+                with t.stage("save"):
+                    await self.table.save(r)
         except BaseException:
             if back is not None:
                 await back  # the sandbox comes back all the same
@@ -260,9 +262,11 @@ class Snapshotter:
         # A crash from here leaves the container running or held: recovery lets it go on
         # (a held one is `is_frozen`, thawed as a running record wants) and sweeps the image.
         r.pending = PendingOp(op, image=snap_id)
-        await self.table.save(r)
+        with t.stage("prepare"):
+            await self.table.save(r)
         try:
-            image = await self.templates.fresh_image(snap_id)
+            with t.stage("image"):
+                image = await self.templates.fresh_image(snap_id)
             try:
                 with t.stage("checkpoint"):
                     await self.runtime.checkpoint(inst, image, leave_running=True, hold=True)
