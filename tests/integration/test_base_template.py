@@ -1,7 +1,8 @@
 """Template `base`: debootstrap rootfs (machine-wide cache) imported into a fresh AENV_HOME.
 
 The first run on a fresh machine pays debootstrap (~1 min); afterwards a new AENV_HOME
-imports the cached rootfs with hard links, and a registered, current `base` is left alone."""
+imports the cached rootfs (hard links; a copy into a btrfs pool), and a registered, current
+`base` is left alone."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from aenv.config import Settings
 from aenv.domain import TemplateKind
 from aenv.images.layers import LayerStore
 from aenv.orchestrator.catalog import Catalog
+from aenv.runtime.cowpool import CowPool
 
 pytestmark = [
     pytest.mark.integration,
@@ -31,9 +33,12 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Settings, list[str]]:
+def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, list[str]]]:
     settings = Settings(home=tmp_path_factory.mktemp("aenv-home"))
-    return settings, build_base(settings)
+    try:
+        yield settings, build_base(settings)
+    finally:
+        CowPool(settings).unmount()  # the home's btrfs pool, if build_base made one
 
 
 def test_template_is_registered(built: tuple[Settings, list[str]]) -> None:
@@ -107,11 +112,17 @@ def test_another_home_imports_from_the_machine_cache(
     _, layers = built
     other = Settings(home=tmp_path / "other-home")
     stages: list[str] = []
-    assert build_base(other, progress=lambda stage, _detail: stages.append(stage)) == layers
-    assert "debootstrap" not in stages and "import" in stages
-    a = LayerStore(built[0]).path(layers[0]) / "usr/bin/bash"
-    b = LayerStore(other).path(layers[0]) / "usr/bin/bash"
-    assert a.stat().st_ino == b.stat().st_ino  # hard links, no copy
+    try:
+        assert build_base(other, progress=lambda stage, _detail: stages.append(stage)) == layers
+        assert "debootstrap" not in stages and "import" in stages
+        a = LayerStore(built[0]).path(layers[0]) / "usr/bin/bash"
+        b = LayerStore(other).path(layers[0]) / "usr/bin/bash"
+        if a.stat().st_dev == b.stat().st_dev:
+            assert a.stat().st_ino == b.stat().st_ino  # hard links to the cache, no copy
+        else:  # each home's btrfs pool is a filesystem of its own: a copy each
+            assert a.read_bytes() == b.read_bytes()
+    finally:
+        CowPool(other).unmount()
 
 
 @pytest.fixture
