@@ -200,13 +200,10 @@ class Settings(BaseSettings):
     default_memory_mb: int = 512
     # The writable layer's size per sandbox (sparse: a limit, not a reservation).
     default_disk_mb: int = 10240
-    # Each sandbox's uppers on a disk image of that size (`runtime/disks.py`); off: plain
-    # directories under rw/ with no limit. `disk_spares` formatted images wait for creates.
+    # That size enforced (btrfs quota or ext4 image); `disk_spares`: ext4 images kept formatted.
     disk_limits: bool = True
     disk_spares: int = 2
-    # Where layers and uppers live (`runtime/cowpool.py`), chosen at a home's first start:
-    # `btrfs`, one pool file (snapshots copy uppers by reflink); `ext4`, a disk image each;
-    # `auto`, btrfs where the kernel and btrfs-progs have it.
+    # Where layers and uppers live, chosen at a home's first start (`runtime/cowpool.py`).
     storage: Literal["auto", "btrfs", "ext4"] = "auto"
     default_timeout: int = 300
     max_timeout: int = 24 * 3600

@@ -105,10 +105,10 @@ def test_no_socket_means_no_hold(tmp_path: Path) -> None:
 def test_a_checkpoint_hands_the_sentry_its_image_files(
     sentry: tuple[Sentry, Path, Path], tmp_path: Path
 ) -> None:
-    s, _, _ = sentry
+    s, state, _ = sentry
     image = tmp_path / "image"
     image.mkdir()
-    control.checkpoint(str(s.path), image, leave_running=True, timeout=5)
+    control.checkpoint(state, image, leave_running=True, timeout=5)
     assert s.calls == [control.CHECKPOINT]
     arg = s.args[0]
     assert isinstance(arg, dict)
@@ -118,5 +118,5 @@ def test_a_checkpoint_hands_the_sentry_its_image_files(
     assert [(image / n).read_text() for n in control.IMAGE_FILES] == ["part 0", "part 1", "part 2"]
     # An image is never written over: a second checkpoint into it fails before any call.
     with pytest.raises(RuntimeFailure, match="checkpoint.img"):
-        control.checkpoint(str(s.path), image, leave_running=False, timeout=5)
+        control.checkpoint(state, image, leave_running=False, timeout=5)
     assert s.calls == [control.CHECKPOINT]

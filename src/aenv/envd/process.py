@@ -106,10 +106,8 @@ class ProcessManager:
         child_fds: list[int] = []
         parent_fds: list[int] = []
         try:
-            if os.getuid() == 0 and use_pty:
-                # The PTY's controlling-terminal hook makes subprocess fork anyway.
-                kw.update(user=user.uid, group=user.gid, extra_groups=list(user.groups))
-            elif os.getuid() == 0 and SPAWN_AS.exists():
+            # The PTY's controlling-terminal hook makes subprocess fork anyway.
+            if os.getuid() == 0 and not use_pty and SPAWN_AS.exists():
                 report, report_w = os.pipe2(os.O_CLOEXEC)
                 child_fds.append(report_w)
                 groups = ",".join(map(str, user.groups)) or "-"

@@ -204,6 +204,10 @@ class Recovery:
                 log.info("removing snapshot %s of a fork cut short", t.template_id)
                 await self.templates.delete(t)
 
+    def _hold_layers(self, records: list[SandboxRecord]) -> None:
+        for r in records:
+            self.storage.hold("sandbox", r.sandbox_id, [*r.copied_as, *r.layers])
+
     async def _sweep(self, records: list[SandboxRecord]) -> None:
         uppers = {r.sandbox_id: (r.upper, r.instance.id if r.instance else None) for r in records}
         used = {t.checkpoint for t in await self.templates.all() if t.checkpoint}
@@ -213,10 +217,7 @@ class Recovery:
         holds = await asyncio.to_thread(self.storage.sweep_holds, set(uppers))
         # Layer references are not fsynced (images/cache.py): a host crash may have lost the
         # last ones, so each sandbox's are taken again (templates' are, by `Templates.start`).
-        for r in records:
-            await asyncio.to_thread(
-                self.storage.hold, "sandbox", r.sandbox_id, [*r.copied_as, *r.layers]
-            )
+        await asyncio.to_thread(self._hold_layers, records)
         if dirs or images or holds:
             log.info(
                 "start-up sweep: %d leftover upper dirs, %d memory images, %d layer holds",

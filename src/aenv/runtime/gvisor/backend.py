@@ -443,16 +443,9 @@ class GVisorRuntime(Runtime):
         if hold:
             held.append(asyncio.to_thread(control.hold, state, c.bundle_dir))
         await asyncio.gather(*held, self.network.drop_connections(c.address))
-        if state is None:
-            raise RuntimeFailure(f"no runsc state file for {c.id}")
-        # Straight to the sandbox's control socket: what `runsc checkpoint` would send,
-        # without starting runsc (~20 ms).
+        # What `runsc checkpoint` would send, without starting runsc (~20 ms).
         await asyncio.to_thread(
-            control.checkpoint,
-            control.control_socket(state),
-            image_dir,
-            leave_running=leave_running,
-            timeout=600.0,
+            control.checkpoint, state, image_dir, leave_running=leave_running, timeout=600.0
         )
         if not leave_running:
             # The sandbox exits, though `runsc state` may still say running for a while.

@@ -33,8 +33,10 @@ HELD_MARKER = "held"
 _TIMEOUT = 30.0
 
 
-def control_socket(state_file: Path) -> str:
+def control_socket(state_file: Path | None) -> str:
     """The control socket's path from runsc's state file of the sandbox's root container."""
+    if state_file is None:
+        raise RuntimeFailure("no runsc state file for the sandbox")
     try:
         data = json.loads(state_file.read_text())
         return str(data["sandbox"]["controlSocketPath"])
@@ -42,10 +44,13 @@ def control_socket(state_file: Path) -> str:
         raise RuntimeFailure(f"no control socket in {state_file}: {e}") from None
 
 
-def checkpoint(path: str, image_dir: Path, *, leave_running: bool, timeout: float) -> None:
+def checkpoint(
+    state_file: Path | None, image_dir: Path, *, leave_running: bool, timeout: float
+) -> None:
     """`runsc checkpoint --compression=none [--leave-running]` as the sandbox's own call: the
     sentry writes its state and memory into three new files of `image_dir`. A held sandbox
     stays held (the sentry counts pauses). Blocking: run it off the event loop."""
+    path = control_socket(state_file)
     fds: list[int] = []
     try:
         for name in IMAGE_FILES:
@@ -112,8 +117,6 @@ def _read_json(s: socket.socket) -> object:
 
 def hold(state_file: Path | None, bundle_dir: Path) -> None:
     """Stops the sandbox's tasks (the sentry's own pause), marked in `bundle_dir`."""
-    if state_file is None:
-        raise RuntimeFailure(f"no runsc state file for the sandbox of {bundle_dir}")
     path = control_socket(state_file)
     marker = bundle_dir / HELD_MARKER
     marker.write_text(path)
