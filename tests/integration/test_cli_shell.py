@@ -98,10 +98,13 @@ def test_pty_shell_type_resize_exit_restores_terminal(server: Server) -> None:
         term.read_until(b"answer-42")
         term.read_until(b"24 80")
 
-        # Resize the terminal (the kernel signals the foreground group; SIGWINCH to the
-        # CLI as well, as a terminal emulator's resize does).
+        # Resize the terminal (the kernel signals the foreground group), then a burst of
+        # SIGWINCH as a window dragged to size sends: signals arriving inside the CLI's own
+        # handler must not wedge it.
         _set_size(term.master, 41, 133)
-        os.kill(proc.pid, signal.SIGWINCH)
+        for i in range(2000):
+            os.kill(proc.pid, signal.SIGWINCH)
+            time.sleep(i % 7 * 1e-5)
         deadline = time.monotonic() + 30
         while b"41 133" not in term.out:
             assert time.monotonic() < deadline, term.out[-2000:]

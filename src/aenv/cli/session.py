@@ -279,7 +279,10 @@ def attach_shell(
     fd = _stdin_fd()
     interactive = fd is not None and os.isatty(fd)
     out = _binary(sys.stdout)
-    jobs: queue.Queue[tuple[str, Any]] = queue.Queue()
+    # SimpleQueue: on_winch puts from a signal handler, which may interrupt another put in
+    # the same thread (a resize's SIGWINCH from the kernel and one from the emulator);
+    # Queue.put takes a lock a nested call would wait on forever, SimpleQueue.put is reentrant.
+    jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
     stop = threading.Event()
     shown = threading.Event()  # the shell's first output (its prompt) arrived
     threads: list[threading.Thread] = []
@@ -288,7 +291,7 @@ def attach_shell(
     end: ProcessEvent | None = None
 
     def on_winch(signum: int, frame: FrameType | None) -> None:
-        jobs.put(("resize", terminal_size()))
+        jobs.put(("resize", None))
 
     envd = make_client()
     try:
@@ -308,7 +311,14 @@ def attach_shell(
                             ),
                             threading.Thread(
                                 target=_shell_worker,
-                                args=(make_client, pid, jobs, keepalive, keepalive_interval),
+                                args=(
+                                    make_client,
+                                    pid,
+                                    jobs,
+                                    keepalive,
+                                    keepalive_interval,
+                                    (cols, rows),
+                                ),
                                 daemon=True,
                             ),
                         ]
@@ -334,7 +344,7 @@ def attach_shell(
 
 
 def _pump_input(
-    jobs: queue.Queue[tuple[str, Any]],
+    jobs: queue.SimpleQueue[tuple[str, Any]],
     stop: threading.Event,
     interactive: bool,
     shown: threading.Event,
@@ -355,9 +365,10 @@ def _pump_input(
 def _shell_worker(
     make_client: Callable[[], EnvdClient],
     pid: int,
-    jobs: queue.Queue[tuple[str, Any]],
+    jobs: queue.SimpleQueue[tuple[str, Any]],
     keepalive: Callable[[], None] | None,
     interval: float,
+    sent_size: tuple[int, int],
 ) -> None:
     selector = {"pid": pid}
     next_keepalive = time.monotonic() + interval
@@ -381,7 +392,13 @@ def _shell_worker(
                         {"process": selector, "input": {"pty": b64encode(value)}},
                     )
                 elif kind == "resize":
-                    c, r = value
+                    # Read when sent: a burst of SIGWINCH while a window is dragged costs
+                    # one call per size actually seen, not one per signal.
+                    size = terminal_size()
+                    if size == sent_size:
+                        continue
+                    sent_size = size
+                    c, r = size
                     client.unary(
                         PROCESS_UPDATE,
                         {"process": selector, "pty": {"size": {"cols": c, "rows": r}}},
