@@ -11,10 +11,9 @@ import errno
 import os
 import signal
 import threading
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import journal
+from . import journal, vspawn
 from .child import Proc, Subscriber, close_quiet, wait_thread
 from .envrules import env_problem
 from .rpc import Ctx, Method, Msg, RPCError, Send, as_bool, as_int, as_msg, as_str, b64d
@@ -97,34 +96,22 @@ class ProcessManager:
         proc = Proc(self, config, tag, use_pty)
         sub = proc.subscribe()
 
-        kw: dict[str, Any] = {}
         argv = [_shell_fallback(cmd), *args]
-        report = report_w = -1  # aenv-spawn-as's error pipe, when it is used
-        if os.getuid() != 0 and user.uid != os.getuid():
+        root = os.getuid() == 0
+        if not root and user.uid != os.getuid():
             raise RPCError("permission_denied", "envd is not root and cannot switch users")
+        creds = vspawn.Credentials(user.uid, user.gid, tuple(user.groups)) if root else None
 
         child_fds: list[int] = []
         parent_fds: list[int] = []
         try:
-            # The PTY's controlling-terminal hook makes subprocess fork anyway.
-            if os.getuid() == 0 and not use_pty and SPAWN_AS.exists():
-                report, report_w = os.pipe2(os.O_CLOEXEC)
-                child_fds.append(report_w)
-                groups = ",".join(map(str, user.groups)) or "-"
-                argv = [str(SPAWN_AS), str(user.uid), str(user.gid), groups, str(report_w), *argv]
-                kw.update(pass_fds=(report_w,))
-            elif os.getuid() == 0:
-                kw.update(user=user.uid, group=user.gid, extra_groups=list(user.groups))
             if use_pty:
                 master, slave = os.openpty()
                 parent_fds.append(master)
                 child_fds.append(slave)
                 cols, rows = _pty_size(as_msg(pty_msg, "pty"))
                 set_winsize(master, cols, rows)
-                stdin: Any = slave
-                stdout: Any = slave
-                stderr: Any = slave
-                kw["preexec_fn"] = set_ctty
+                stdin = stdout = stderr = slave
             else:
                 out_r, out_w = os.pipe2(os.O_CLOEXEC)
                 err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -137,22 +124,10 @@ class ProcessManager:
                     child_fds.append(in_r)
                     stdin = in_r
                 else:
-                    stdin = subprocess.DEVNULL
+                    stdin = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+                    child_fds.append(stdin)
             try:
-                popen = subprocess.Popen(
-                    argv,
-                    stdin=stdin,
-                    stdout=stdout,
-                    stderr=stderr,
-                    cwd=cwd,
-                    env=env,
-                    start_new_session=True,
-                    close_fds=True,
-                    **kw,
-                )
-                if report >= 0:
-                    close_quiet(child_fds.pop(child_fds.index(report_w)))  # EOF = exec'd
-                    _spawned_as(popen, report, argv[5])
+                pid, popen = _start(argv, env, cwd, (stdin, stdout, stderr), use_pty, creds)
             except FileNotFoundError as e:
                 raise RPCError("invalid_argument", f"failed to start process: {e}") from None
             except PermissionError as e:
@@ -172,11 +147,9 @@ class ProcessManager:
         finally:
             for fd in child_fds:
                 close_quiet(fd)
-            if report >= 0:
-                close_quiet(report)
 
         proc.popen = popen
-        proc.pid = popen.pid
+        proc.pid = pid
         if use_pty:
             proc.pty_fd = parent_fds[0]
             proc.out_fds[parent_fds[0]] = "pty"
@@ -312,24 +285,44 @@ class ProcessManager:
         }
 
 
-# envd's static helper in its bundle (`spawn_as.c`): it switches credentials and execs, so
-# that subprocess can vfork it (CPython forks as soon as it must switch them itself, and a
-# fork of envd costs 20-40 ms in gVisor). Absent (envd run from source), envd forks.
-SPAWN_AS = Path(__file__).resolve().parents[2] / "bin" / "aenv-spawn-as"
+def _start(
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    fds: tuple[int, int, int],
+    pty: bool,
+    creds: vspawn.Credentials | None,
+) -> tuple[int, Any]:
+    """Starts a command in a session of its own (a PTY's slave as controlling terminal):
+    (pid, the Popen when subprocess started it). Through the bundle's spawn library when
+    present: one vfork and one exec, where subprocess forks envd (20-40 ms in gVisor) as
+    soon as the child must switch user or take a terminal."""
+    import subprocess
 
-
-def _spawned_as(popen: Any, report: int, program: str) -> None:
-    """Waits for aenv-spawn-as to exec `program` (its error pipe closes) or to fail (it writes
-    `STAGE:ERRNO` and exits): a failure is raised as the OSError subprocess would raise."""
-    data = b""
-    while chunk := os.read(report, 64):
-        data += chunk
-    if not data:
-        return
-    popen.wait()
-    stage, _, num = data.decode(errors="replace").partition(":")
-    code = int(num) if num.isdigit() else errno.EIO
-    raise OSError(code, f"{os.strerror(code)} ({stage})", program)
+    spawner = vspawn.available()
+    stdin, stdout, stderr = fds
+    if spawner is not None:
+        pid = spawner.spawn(
+            argv, env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, ctty=pty, creds=creds
+        )
+        return pid, None
+    kw: dict[str, Any] = {}
+    if creds is not None:
+        kw.update(user=creds.uid, group=creds.gid, extra_groups=list(creds.groups))
+    if pty:
+        kw["preexec_fn"] = set_ctty
+    popen = subprocess.Popen(
+        argv,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        cwd=cwd,
+        env=env,
+        start_new_session=True,
+        close_fds=True,
+        **kw,
+    )
+    return popen.pid, popen
 
 
 def _shell_fallback(cmd: str) -> str:

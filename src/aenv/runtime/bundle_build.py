@@ -28,10 +28,10 @@ from aenv.runtime.bundle import (
 
 log = logging.getLogger("aenv.runtime")
 
-# envd's spawn helper: its source among envd's files, its binary beside the interpreter
-# (envd looks for it there, `envd/process.py`).
-SPAWN_AS_SOURCE = "spawn_as.c"
-SPAWN_AS = "aenv-spawn-as"
+# envd's spawn library: its source among envd's files, the library beside the bundle's
+# others (envd loads it from there, `envd/vspawn.py`).
+SPAWN_SOURCE = "spawn.c"
+SPAWN_LIB = "libaenv-spawn.so"
 
 # Top-level stdlib entries left out.
 _DROP_TOP = {
@@ -164,21 +164,22 @@ SELF_TEST = (
 )
 
 
-def _build_spawn_as(source: Path, out: Path) -> None:
-    """Compiles `spawn_as.c` (envd vforks it to start a command as another user). Without a
-    C compiler envd still works: it forks itself instead, ~20-40 ms slower per command."""
+def build_spawn_lib(source: Path, out: Path) -> None:
+    """Compiles `spawn.c` (envd vforks every command through it). Without a C compiler envd
+    still works: subprocess forks envd instead, 20-40 ms slower per command that changes
+    user or takes a terminal."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if not source.is_file() or cc is None:
-        log.warning("envd bundle without %s: no C compiler (commands start slower)", SPAWN_AS)
+        log.warning("envd bundle without %s: no C compiler (commands start slower)", SPAWN_LIB)
         return
     r = subprocess.run(
-        [cc, "-static", "-O2", "-s", "-o", str(out), str(source)],
+        [cc, "-shared", "-fPIC", "-O2", "-s", "-o", str(out), str(source)],
         capture_output=True,
         text=True,
         check=False,
     )
     if r.returncode != 0:
-        log.warning("envd bundle without %s: %s", SPAWN_AS, r.stderr.strip()[-500:])
+        log.warning("envd bundle without %s: %s", SPAWN_LIB, r.stderr.strip()[-500:])
         out.unlink(missing_ok=True)
 
 
@@ -236,8 +237,8 @@ def build_bundle(dest: Path, interp: Interpreter, app_dir: Path, digest: str) ->
     else:
         app_dst.mkdir(parents=True)
 
-    # 3b. envd's credential-switching spawn helper, static so it runs in any image.
-    _build_spawn_as(app_dir / SPAWN_AS_SOURCE, dest / "bin" / SPAWN_AS)
+    # 3b. envd's spawn library, against the bundle's own libc (it is the host's).
+    build_spawn_lib(app_dir / SPAWN_SOURCE, lib / SPAWN_LIB)
 
     # 4. precompile with the bundled interpreter itself (also its first self-test):
     # unchecked-hash pycs never stat their source; tracebacks show /opt/aenv paths.

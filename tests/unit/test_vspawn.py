@@ -1,0 +1,142 @@
+"""envd's spawn library (envd/spawn.c through envd/vspawn.py), compiled as the bundle
+compiles it and used as root: the command runs as the user asked for, in a session of its
+own, with only the descriptors given and default signal dispositions; failures come back as
+the exceptions subprocess raises."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from aenv.envd.vspawn import Credentials, Spawner
+from aenv.runtime.bundle_build import SPAWN_LIB, SPAWN_SOURCE, build_spawn_lib
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("cc") is None, reason="needs root and a C compiler"
+)
+
+SOURCE = Path(__file__).resolve().parents[2] / "src" / "aenv" / "envd" / SPAWN_SOURCE
+ENV = {"PATH": "/usr/bin:/bin"}
+
+
+@pytest.fixture(scope="module")
+def spawner(tmp_path_factory: pytest.TempPathFactory) -> Spawner:
+    out = tmp_path_factory.mktemp("spawn") / SPAWN_LIB
+    build_spawn_lib(SOURCE, out)
+    assert out.is_file()
+    return Spawner(out)
+
+
+def run(
+    spawner: Spawner,
+    argv: list[str],
+    *,
+    cwd: str,
+    env: dict[str, str] = ENV,
+    creds: Credentials | None = None,
+) -> tuple[int, str]:
+    """(exit status, stdout + stderr) of a command started by the spawner."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        pid = spawner.spawn(argv, env, cwd=cwd, stdin=null, stdout=w, stderr=w, creds=creds)
+    finally:
+        os.close(w)
+        os.close(null)
+    out = b""
+    while chunk := os.read(r, 65536):
+        out += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), out.decode()
+
+
+def test_the_command_runs_as_the_user_with_its_groups_and_cwd(spawner: Spawner) -> None:
+    code, out = run(
+        spawner,
+        ["sh", "-c", "id -u; id -g; id -G; pwd"],
+        cwd="/tmp",
+        creds=Credentials(65534, 65534, (65534, 100)),
+    )
+    assert code == 0
+    assert out.split() == ["65534", "65534", "65534", "100", "/tmp"]
+
+
+def test_only_the_given_descriptors_a_new_session_and_default_signals(spawner: Spawner) -> None:
+    # Held open (close-on-exec off) while spawning: it must not reach the command.
+    leak = os.open(os.devnull, os.O_RDONLY)
+    try:
+        code, out = run(
+            spawner,
+            [
+                "sh",
+                "-c",
+                "ls /proc/$$/fd | sort -n | tr '\\n' ' '; echo; "
+                "ps -o sid= -p $$; echo $$; grep -E '^Sig(Ign|Blk)' /proc/$$/status",
+            ],
+            cwd="/",
+        )
+    finally:
+        os.close(leak)
+    assert code == 0
+    fds, sid, pid, blocked, ignored = out.splitlines()
+    assert fds.split() == ["0", "1", "2"]
+    assert sid.strip() == pid  # a session leader
+    # Python ignores SIGPIPE; the command gets it back at its default, nothing blocked.
+    assert blocked.split()[1] == "0000000000000000"
+    assert ignored.split()[1] == "0000000000000000"
+
+
+def test_a_terminal_becomes_the_controlling_one(spawner: Spawner) -> None:
+    master, slave = os.openpty()
+    try:
+        pid = spawner.spawn(
+            ["sh", "-c", "tty; ps -o tty= -p $$"],
+            ENV,
+            cwd="/",
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            ctty=True,
+            creds=Credentials(65534, 65534),
+        )
+        os.close(slave)
+        slave = -1
+        out = b""
+        deadline = time.monotonic() + 10
+        while b"\n" not in out.split(b"/dev/pts/", 1)[-1] and time.monotonic() < deadline:
+            out += os.read(master, 4096)
+        out += os.read(master, 4096)
+        os.waitpid(pid, 0)
+    finally:
+        os.close(master)
+        if slave >= 0:
+            os.close(slave)
+    lines = out.decode().split()
+    assert lines[0].startswith("/dev/pts/")
+    assert lines[1] == lines[0].removeprefix("/dev/")
+
+
+def test_failures_are_the_exceptions_subprocess_raises(spawner: Spawner) -> None:
+    with pytest.raises(FileNotFoundError) as missing:
+        run(spawner, ["no-such-program-here"], cwd="/")
+    assert missing.value.filename == "no-such-program-here"
+    with pytest.raises(PermissionError):
+        run(spawner, ["/etc/passwd"], cwd="/")
+    with pytest.raises(FileNotFoundError) as no_dir:
+        run(spawner, ["true"], cwd="/no/such/dir")
+    assert no_dir.value.filename == "/no/such/dir"
+    with pytest.raises(ValueError, match="null byte"):
+        run(spawner, ["echo", "a\0b"], cwd="/")
+
+
+def test_the_program_is_looked_up_on_the_commands_path(spawner: Spawner, tmp_path: Path) -> None:
+    tool = tmp_path / "only-here"
+    tool.write_text("#!/bin/sh\necho found me\n")
+    tool.chmod(0o755)
+    code, out = run(spawner, ["only-here"], cwd="/", env={"PATH": f"/nonexistent:{tmp_path}"})
+    assert (code, out) == (0, "found me\n")
