@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.errors import AenvError
+from aenv.images.layers import copy_tree
 from aenv.runtime import oci, rootfs
 from aenv.runtime.base import Mount, SandboxSpec
 from aenv.runtime.network import Network, Slot, SlotAddressing
@@ -211,6 +212,13 @@ class RawRunsc:
             upper = self.root / "rw" / cid / "upper"
             upper.mkdir(parents=True)
         return Ctr(cid, bundle, slot, memory_mb, upper)
+
+    def _copy_upper(self, upper: Path) -> Path:
+        """A copy of a container's upper dir (whiteouts and xattrs kept), for another."""
+        dest = self.root / "rw" / f"copy-{secrets.token_hex(6)}" / "upper"
+        dest.parent.mkdir(parents=True)
+        copy_tree(upper, dest, link=False)
+        return dest
 
     def _config(self, ctr: Ctr) -> None:
         assert self.runtime_dir is not None
@@ -499,7 +507,10 @@ class RawRunsc:
             children: list[Ctr] = []
 
             async def child(slot: Slot) -> None:
-                ctr, _ = await self.launch(slot, source.memory_mb, image=image)
+                # The source's files as they were (a restore reopens what was open, some of
+                # it written since boot), as a fork's child gets them.
+                upper = await asyncio.to_thread(self._copy_upper, source.upper)
+                ctr, _ = await self.launch(slot, source.memory_mb, image=image, upper=upper)
                 children.append(ctr)
                 await self.exec(ctr)
 

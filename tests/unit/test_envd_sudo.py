@@ -27,6 +27,7 @@ import pytest
 
 from aenv.envd import sudo, sudo_args, sudo_plan, sudo_protocol, sudo_service
 from aenv.envd.state import User, Users
+from aenv.runtime.bundle_build import SPAWN_LIB, SPAWN_SOURCE, build_spawn_lib
 from tests.helpers import SRC, free_port, wait_healthy, wait_until
 
 SYSTEM_PY = Path("/usr/bin/python3.11")
@@ -98,6 +99,8 @@ def _fake_bundle(b: Path) -> None:
     (b / "lib/ld-linux-x86-64.so.2").symlink_to(LOADER)
     (b / "lib/python3.11").symlink_to("/usr/lib/python3.11")
     shutil.copytree(SRC / "aenv/envd", b / "app/aenv_envd")
+    # envd's spawn library, as the bundle has it: commands start through it, not subprocess.
+    build_spawn_lib(SRC / "aenv/envd" / SPAWN_SOURCE, b / "lib" / SPAWN_LIB)
 
 
 @pytest.fixture(scope="module")

@@ -140,3 +140,28 @@ def test_the_program_is_looked_up_on_the_commands_path(spawner: Spawner, tmp_pat
     tool.chmod(0o755)
     code, out = run(spawner, ["only-here"], cwd="/", env={"PATH": f"/nonexistent:{tmp_path}"})
     assert (code, out) == (0, "found me\n")
+
+
+def test_a_program_other_than_argv0_and_a_umask(spawner: Spawner) -> None:
+    """As sudo starts a command: the program by path, argv[0] as the caller named it, and
+    the umask it asked for."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    try:
+        pid = spawner.spawn(
+            ["named-by-caller", "-c", 'echo "$0"; umask'],
+            ENV,
+            executable="/bin/sh",
+            cwd="/",
+            stdin=-1,
+            stdout=w,
+            stderr=w,
+            umask=0o027,
+        )
+    finally:
+        os.close(w)
+    out = b""
+    while chunk := os.read(r, 4096):
+        out += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert out.decode().split() == ["named-by-caller", "0027"]

@@ -20,6 +20,7 @@
 #include <signal.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <termios.h>
@@ -78,7 +79,7 @@ static int move_to(int fd, int target) {
 
 __attribute__((noreturn)) static void child(char *const paths[], char *const argv[], char *const envp[], const char *cwd,
                   int fds[3], int ctty, long uid, long gid, int ngroups, const gid_t *groups,
-                  int errfd, const sigset_t *mask) {
+                  int file_mask, int errfd, const sigset_t *mask) {
     /* Handlers are the child's own copy (no CLONE_SIGHAND): back to the defaults, and
      * SIGPIPE/SIGXFSZ too, which Python ignores and a program expects at default. */
     for (int sig = 1; sig < NSIG; sig++) {
@@ -106,6 +107,7 @@ __attribute__((noreturn)) static void child(char *const paths[], char *const arg
     if (setsid() < 0) fail(errfd, ST_SETSID, errno);
     if (ctty && ioctl(0, TIOCSCTTY, 0) < 0) fail(errfd, ST_CTTY, errno);
     if (cwd && chdir(cwd) < 0) fail(errfd, ST_CHDIR, errno);
+    if (file_mask >= 0) umask((mode_t)file_mask);
     if (uid >= 0) {
         /* Groups and gid while still root, the uid last. */
         if (syscall(SYS_setgroups, ngroups, groups) < 0) fail(errfd, ST_GROUPS, errno);
@@ -123,11 +125,12 @@ __attribute__((noreturn)) static void child(char *const paths[], char *const arg
 }
 
 /* Starts argv with the first of `paths` that execs. `fds` are the child's 0, 1, 2 (-1:
- * inherited); `ctty`: fd 0 is a terminal to make the controlling one; `uid` -1: no switch.
- * Returns the pid, or -1 with errno when vfork itself failed. */
+ * inherited); `ctty`: fd 0 is a terminal to make the controlling one; `uid` -1: no switch;
+ * `file_mask` -1: the umask inherited. Returns the pid, or -1 with errno when vfork itself
+ * failed. */
 pid_t aenv_spawn(char *const paths[], char *const argv[], char *const envp[], const char *cwd,
                  int in_fd, int out_fd, int err_fd, int ctty, long uid, long gid, int ngroups,
-                 const gid_t *groups, int errfd) {
+                 const gid_t *groups, int file_mask, int errfd) {
     int fds[3] = {in_fd, out_fd, err_fd};
     sigset_t all, old;
     sigfillset(&all);
@@ -135,7 +138,8 @@ pid_t aenv_spawn(char *const paths[], char *const argv[], char *const envp[], co
     pthread_sigmask(SIG_SETMASK, &all, &old);
     pid_t pid = vfork();
     if (pid == 0)
-        child(paths, argv, envp, cwd, fds, ctty, uid, gid, ngroups, groups, errfd, &old);
+        child(paths, argv, envp, cwd, fds, ctty, uid, gid, ngroups, groups, file_mask, errfd,
+              &old);
     int err = errno;
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     errno = err;

@@ -36,6 +36,7 @@ import struct
 import threading
 from typing import TYPE_CHECKING, Any
 
+from . import vspawn
 from .httpserver import log
 from .sudo_plan import Plan, Refused, authorize, plan
 from .sudo_protocol import (
@@ -167,7 +168,7 @@ class SudoService:
                 if len(fds) != 3:
                     raise Refused("sudo: bad request: expected stdin, stdout and stderr fds")
                 what = plan(self.state.users, req, uid, gid)
-                popen = self._spawn(what, fds)
+                child_pid, popen = self._spawn(what, fds)
             except Refused as e:
                 await self._send(conn, {"error": str(e), "exit": 1})
                 return
@@ -177,7 +178,7 @@ class SudoService:
                         os.close(fd)
                 fds.clear()
             log(f"sudo: uid {uid} (pid {pid}) runs {what.argv[:8]!r} as uid {what.uid}")
-            await self._supervise(conn, popen, buf)
+            await self._supervise(conn, child_pid, popen, buf)
         except Exception as e:  # never take envd down
             log(f"sudo: connection failed: {e!r}")
         finally:
@@ -242,20 +243,35 @@ class SudoService:
 
     # -- running it -------------------------------------------------------------------------
 
-    def _spawn(self, what: Plan, fds: list[int]) -> Any:
-        import fcntl  # noqa: F401  (pre-import for the TIOCSCTTY preexec hook)
+    def _spawn(self, what: Plan, fds: list[int]) -> tuple[int, Any]:
+        """(pid, the Popen when subprocess started it): through envd's spawn library when
+        the bundle has it (a vfork), else subprocess (which forks envd)."""
         import subprocess
-        import termios  # noqa: F401
 
         from .terminal import set_ctty
 
-        kw: dict[str, Any] = {"extra_groups": what.groups}
-        if what.uid != 0 or what.gid != 0:
-            kw.update(user=what.uid, group=what.gid)
-        if what.tty:
-            kw["preexec_fn"] = set_ctty
+        spawner = vspawn.available()
         try:
-            return subprocess.Popen(
+            if spawner is not None:
+                pid = spawner.spawn(
+                    what.argv,
+                    what.env,
+                    executable=what.executable,
+                    cwd=what.cwd,
+                    stdin=fds[0],
+                    stdout=fds[1],
+                    stderr=fds[2],
+                    ctty=what.tty,
+                    creds=vspawn.Credentials(what.uid, what.gid, tuple(what.groups)),
+                    umask=what.umask,
+                )
+                return pid, None
+            kw: dict[str, Any] = {"extra_groups": what.groups}
+            if what.uid != 0 or what.gid != 0:
+                kw.update(user=what.uid, group=what.gid)
+            if what.tty:
+                kw["preexec_fn"] = set_ctty
+            popen = subprocess.Popen(
                 what.argv,
                 executable=what.executable,
                 stdin=fds[0],
@@ -268,16 +284,16 @@ class SudoService:
                 close_fds=True,
                 **kw,
             )
+            return popen.pid, popen
         except FileNotFoundError:
             raise Refused(f"sudo: {what.argv[0]}: command not found") from None
-        except (OSError, subprocess.SubprocessError) as e:
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
             msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise Refused(f"sudo: unable to execute {what.executable}: {msg}") from None
 
-    async def _supervise(self, conn: socket.socket, popen: Any, buf: bytearray) -> None:
+    async def _supervise(self, conn: socket.socket, pid: int, popen: Any, buf: bytearray) -> None:
         assert self.loop is not None
         loop = self.loop
-        pid = popen.pid
         exited: asyncio.Future[int] = loop.create_future()
 
         def on_exit(status: int) -> None:
@@ -306,10 +322,12 @@ class SudoService:
             if not exited.done():  # the client is gone: so is the command
                 _kill(pid, signal.SIGKILL)
                 status = await exited
-                popen.returncode = os.waitstatus_to_exitcode(status)
+                if popen is not None:  # so subprocess never waits for it again
+                    popen.returncode = os.waitstatus_to_exitcode(status)
                 return
             status = exited.result()
-            popen.returncode = os.waitstatus_to_exitcode(status)
+            if popen is not None:
+                popen.returncode = os.waitstatus_to_exitcode(status)
             if os.WIFSIGNALED(status):
                 sig = os.WTERMSIG(status)
                 await self._send(conn, {"exit": 128 + sig, "signal": sig})

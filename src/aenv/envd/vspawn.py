@@ -77,6 +77,7 @@ class Spawner:
             ctypes.c_long,  # gid
             ctypes.c_int,  # ngroups
             ctypes.POINTER(ctypes.c_uint),  # groups
+            ctypes.c_int,  # umask (-1: inherited)
             ctypes.c_int,  # errfd
         ]
         self._spawn = fn
@@ -92,13 +93,17 @@ class Spawner:
         stderr: int,
         ctty: bool = False,
         creds: Credentials | None = None,
+        executable: str | None = None,
+        umask: int | None = None,
     ) -> int:
-        """Starts `argv` in a new session with fds 0-2 as given and no other descriptor;
-        its pid. OSError (FileNotFoundError, PermissionError, ...) as subprocess raises
-        when the program cannot be started; ValueError for a NUL byte."""
+        """Starts `argv` (the program `executable`, else argv[0]) in a new session with
+        fds 0-2 as given and no other descriptor; its pid. OSError (FileNotFoundError,
+        PermissionError, ...) as subprocess raises when the program cannot be started;
+        ValueError for a NUL byte."""
         if not argv:
             raise ValueError("an empty command line")
-        paths = _c_strings(_candidates(argv[0], env), "the program")
+        program = executable or argv[0]
+        paths = _c_strings(_candidates(program, env), "the program")
         args = _c_strings([os.fsencode(a) for a in argv], "the arguments")
         envp = _c_strings(
             [os.fsencode(k) + b"=" + os.fsencode(v) for k, v in env.items()], "the environment"
@@ -113,7 +118,7 @@ class Spawner:
         try:
             pid = self._spawn(
                 paths, args, envp, c_cwd, stdin, stdout, stderr, int(ctty),
-                uid, gid, len(groups), c_groups, report_w,
+                uid, gid, len(groups), c_groups, -1 if umask is None else umask, report_w,
             )  # fmt: skip
             if pid < 0:
                 code = ctypes.get_errno()
@@ -133,7 +138,7 @@ class Spawner:
         stage, code = _REPORT.unpack(data[: _REPORT.size]) if len(data) >= 8 else (0, errno.EIO)
         where = _STAGES.get(stage, "spawn")
         if where == "exec":
-            raise OSError(code, os.strerror(code), argv[0])
+            raise OSError(code, os.strerror(code), program)
         if where == "chdir":
             raise OSError(code, os.strerror(code), cwd)
         raise OSError(code, f"{os.strerror(code)} ({where})")
