@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from aenv.config import Settings
@@ -124,3 +126,45 @@ def test_egress_entries_must_be_ipv4_or_domains(entry: str) -> None:
         egress_rules(EgressPolicy(deny_out=[entry]))
     with pytest.raises(ValueError):
         egress_rules(EgressPolicy(allow_out=[entry]))
+
+
+def test_egress_rules_already_in_force_are_not_restored_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restore re-arms its slot with the sandbox's policy: the same rules as the slot holds
+    cost no iptables-restore; other rules, a rebuilt slot or a failed apply do."""
+    from aenv.runtime import network as net_mod
+
+    restores: list[str] = []
+    fail = False
+
+    async def fake_run(argv: list[str], **kw: object) -> object:
+        if "iptables-restore" in argv:
+            if fail:
+                raise net_mod.RuntimeFailure("iptables-restore: failed")
+            restores.append(str(kw["input"]))
+        return None
+
+    monkeypatch.setattr(net_mod._proc, "run", fake_run)
+    net = net_mod.Network(SlotAddressing("aeunit", "10.99.0.0/24"))
+    closed = EgressPolicy(allow_internet=False)
+
+    async def go() -> None:
+        nonlocal fail
+        await net.apply_egress(3, closed)
+        await net.apply_egress(3, closed)  # in force already
+        assert len(restores) == 1
+        await net.apply_egress(3, EgressPolicy())  # other rules
+        await net.apply_egress(4, EgressPolicy())  # another slot
+        assert len(restores) == 3
+        await net.teardown(3)
+        await net.apply_egress(3, EgressPolicy())  # a new slot 3: unknown rules
+        assert len(restores) == 4
+        fail = True
+        with pytest.raises(net_mod.RuntimeFailure):
+            await net.apply_egress(4, closed)
+        fail = False
+        await net.apply_egress(4, EgressPolicy())  # what is in force after a failure: unknown
+        assert len(restores) == 5
+
+    asyncio.run(go())

@@ -227,6 +227,30 @@ def reap(pids: Iterable[int]) -> None:
 
 
 MNT_DETACH = 2
+# mount(8) options that are mount(2) flags rather than the filesystem's own.
+_MOUNT_FLAGS = {"ro": 1, "nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024}
+
+
+def mount(source: str, target: str, fstype: str, options: str) -> int:
+    """mount(2) with mount(8)-style comma-separated `options`, without starting the mount
+    program; returns 0 or the errno. Sync."""
+    flags = 0
+    data = []
+    for opt in options.split(","):
+        if opt in _MOUNT_FLAGS:
+            flags |= _MOUNT_FLAGS[opt]
+        elif opt:
+            data.append(opt)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [
+        ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p,
+    ]  # fmt: skip
+    rc = int(
+        libc.mount(
+            source.encode(), target.encode(), fstype.encode(), flags, ",".join(data).encode()
+        )
+    )
+    return 0 if rc == 0 else ctypes.get_errno()
 
 
 def umount(target: str, *, lazy: bool = False) -> int:

@@ -191,6 +191,8 @@ class Network:
         # Read by `setup_host`; fixed denies of the host rules and of the egress proxies.
         self.own_networks: list[ipaddress.IPv4Network] = []
         self.proxies = EgressProxies(GATEWAY_IP, self._proxy_denies)
+        # Rules this process put in force per slot: the same again skips iptables-restore.
+        self._rules_in_force: dict[int, str] = {}
 
     def _proxy_denies(self) -> list[ipaddress.IPv4Network]:
         return [*self.own_networks, self.addr.cidr]
@@ -305,6 +307,7 @@ EOF
         """Creates slot `n` (about 15-20 ms); on any failure removes what was made."""
         slot = self.addr.slot(n)
         t0 = time.perf_counter()
+        self._rules_in_force.pop(n, None)
         try:
             await _proc.run(["/bin/sh", "-c", self._build_script(slot)], time_limit=30)
         except BaseException:
@@ -342,12 +345,15 @@ EOF
                 await self.proxies.apply(n, str(ns), p)
             except OSError as e:
                 raise RuntimeFailure(f"egress proxy of slot {n}: {e}") from e
-        await _proc.run(
-            ["nsenter", f"--net={ns}", "iptables-restore", "-w", "--noflush"],
-            input=rules,
-            time_limit=30,
-            what=f"egress rules of slot {n}",
-        )
+        if self._rules_in_force.get(n) != rules:
+            self._rules_in_force.pop(n, None)  # unknown until this one succeeds
+            await _proc.run(
+                ["nsenter", f"--net={ns}", "iptables-restore", "-w", "--noflush"],
+                input=rules,
+                time_limit=30,
+                what=f"egress rules of slot {n}",
+            )
+            self._rules_in_force[n] = rules
         if not p.has_domains:
             await self.proxies.stop(n)
         log.debug("slot %d egress rules in %.1f ms", n, (time.perf_counter() - t0) * 1000)
@@ -366,6 +372,7 @@ EOF
 
     async def teardown(self, n: int) -> None:
         """Deletes the host veth and both netns of slot `n`; missing parts are fine."""
+        self._rules_in_force.pop(n, None)
         await self.proxies.stop(n)
         a = self.addr
         batch = f"link del {a.host_if(n)}\nnetns del {a.router_ns(n)}\nnetns del {a.inner_ns(n)}\n"

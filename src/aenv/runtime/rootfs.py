@@ -97,6 +97,18 @@ def _check_paths(paths: list[Path]) -> None:
             raise RuntimeFailure(f"path not usable in an overlay: {p}")
 
 
+async def _mount_overlay(name: str, opts: str, target: Path, cwd: str | None) -> None:
+    """One overlay mount: mount(2) itself when the paths are absolute (the mount program is
+    a process start, ~10 ms, on every boot and restore); the program, run from `cwd`, for a
+    stack whose lowerdirs only fit the page as relative paths (a cwd is process-wide)."""
+    if cwd is not None:
+        await _proc.run(["mount", "-t", "overlay", name, "-o", opts, str(target)], cwd=cwd)
+        return
+    err = await asyncio.to_thread(_proc.mount, name, str(target), "overlay", opts)
+    if err:
+        raise RuntimeFailure(f"mount -t overlay {name} {target}: {os.strerror(err)}")
+
+
 async def mount_writable(layers: list[Path], upper: Path, work: Path, target: Path) -> None:
     """Mounts `lowerdir=layers,upperdir=upper,workdir=work` at `target` (created).
 
@@ -121,7 +133,7 @@ async def mount_writable(layers: list[Path], upper: Path, work: Path, target: Pa
     lower, cwd = _lowerdir(layers, reserve=len(str(upper)) + len(str(work)) + 80)
     opts = f"{HOST_OPTIONS},lowerdir={lower},upperdir={upper},workdir={work},{WRITABLE_OPTIONS}"
     try:
-        await _proc.run(["mount", "-t", "overlay", "aenv-sbx", "-o", opts, str(target)], cwd=cwd)
+        await _mount_overlay("aenv-sbx", opts, target, cwd)
     except BaseException:
         await asyncio.to_thread(remove_work_dir, work)
         raise
@@ -202,7 +214,7 @@ class RootfsMounts:
             return  # left over from before a restart, same stack (same key): reuse
         lower, cwd = _lowerdir(layers)
         opts = f"ro,{HOST_OPTIONS},lowerdir={lower}"
-        await _proc.run(["mount", "-t", "overlay", "aenv-rootfs", "-o", opts, str(target)], cwd=cwd)
+        await _mount_overlay("aenv-rootfs", opts, target, cwd)
 
     def adopt(self, key: str, owner: str) -> None:
         """Records a reference held by a sandbox recovered after a restart."""
@@ -222,10 +234,7 @@ class RootfsMounts:
             await self._unmount(self.mnt_dir / key)
 
     async def _unmount(self, target: Path) -> None:
-        res = await _proc.run(["umount", str(target)], check=False)
-        if res.returncode != 0 and await asyncio.to_thread(_is_mount_point, target):
-            log.warning("umount %s: %s; detaching lazily", target, res.stderr.strip())
-            await _proc.run(["umount", "-l", str(target)], check=False)
+        await asyncio.to_thread(_unmount, str(target))
         with contextlib.suppress(OSError):
             await asyncio.to_thread(target.rmdir)
 
