@@ -380,3 +380,23 @@ def test_boot_snapshot_serves_any_memory_size(e2b_env: Server) -> None:
             assert s.commands.run("echo ok").stdout == "ok\n"
         finally:
             c.delete(f"/sandboxes/{sid}")
+
+
+def test_hibernations_right_after_commands_resume_answering() -> None:
+    """Each pause hibernates at once, moments after a command, while the node's kept-alive
+    connections to the sandbox are still open (they are aborted first): every resume must
+    answer. A checkpoint that still held one restored with a wedged envd, about one in ten."""
+    with (
+        running_server("aehib", "10.233.0.0/16", AENV_HIBERNATE_AFTER="0") as srv,
+        sdk_pointed_at(srv),
+    ):
+        s = Sandbox.create(template="base", timeout=300)
+        try:
+            for i in range(15):
+                assert s.commands.run(f"echo {i}").stdout == f"{i}\n"
+                assert s.pause()
+                assert sandbox_record(srv.home, s.sandbox_id)["paused"]["tier"] == "hibernated"
+                s = Sandbox.connect(s.sandbox_id)
+            assert s.commands.run("echo done").stdout == "done\n"
+        finally:
+            Sandbox.kill(s.sandbox_id)

@@ -53,7 +53,7 @@ from pathlib import Path
 from aenv.config import Settings
 from aenv.domain import EgressPolicy
 from aenv.errors import RuntimeFailure
-from aenv.runtime import _proc, sockdiag
+from aenv.runtime import _proc
 from aenv.runtime.egress_proxy import PROXY_PORT, EgressProxies
 from aenv.runtime.egress_rules import EGRESS_CHAIN, egress_rules
 from aenv.runtime.host_nets import read_own_networks
@@ -357,18 +357,6 @@ EOF
         if not p.has_domains:
             await self.proxies.stop(n)
         log.debug("slot %d egress rules in %.1f ms", n, (time.perf_counter() - t0) * 1000)
-
-    async def drop_connections(self, address: str) -> None:
-        """Aborts the host's TCP connections to a sandbox (the node's own: envd client,
-        proxy) before a checkpoint. runsc 20240729 restores a sandbox that had an open
-        connection at checkpoint time with a wedged netstack (the listener never accepts
-        again); the connections would be dropped at restore anyway (--net-disconnect-ok)."""
-        try:
-            # In-process netlink, not `ss -K` (a process start from the server: 10-13 ms on
-            # every hibernation, snapshot and fork).
-            await asyncio.to_thread(sockdiag.destroy_tcp_to, address)
-        except OSError as e:
-            log.warning("could not drop connections to %s: %s", address, e)
 
     async def teardown(self, n: int) -> None:
         """Deletes the host veth and both netns of slot `n`; missing parts are fine."""

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
-from aenv.domain import EgressPolicy
+from aenv.domain import ENVD_PORT, EgressPolicy
 from aenv.errors import RuntimeFailure
-from aenv.runtime import _proc, oci, rootfs, runsc
+from aenv.runtime import _proc, netquiet, oci, rootfs, runsc
 from aenv.runtime.base import Instance, Runtime, SandboxSpec, Stats
 from aenv.runtime.freezer import CGROUP_ROOT, Freezer
 from aenv.runtime.gvisor import bundles, control
@@ -442,7 +442,7 @@ class GVisorRuntime(Runtime):
         held = []  # `hold`: the sentry's own pause, kept by a leave-running checkpoint
         if hold:
             held.append(asyncio.to_thread(control.hold, state, c.bundle_dir))
-        await asyncio.gather(*held, self.network.drop_connections(c.address))
+        await asyncio.gather(*held, netquiet.drop_connections(c.address, ENVD_PORT))
         # What `runsc checkpoint` would send, without starting runsc (~20 ms).
         await asyncio.to_thread(
             control.checkpoint, state, image_dir, leave_running=leave_running, timeout=600.0
