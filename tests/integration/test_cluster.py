@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -116,6 +117,7 @@ def cluster(s3_endpoint: str) -> Iterator[Cluster]:
     gateways: list[Gateway] = []
     # Redis goes last: the nodes heartbeat into it until they stop.
     with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, work, True)  # after everything that writes into it
         stack.callback(redis.stop)
         try:
             nodes = {
