@@ -11,13 +11,13 @@ import errno
 import os
 import signal
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import journal, vspawn
 from .child import Proc, Subscriber, close_quiet, wait_thread
 from .envrules import env_problem
 from .rpc import Ctx, Method, Msg, RPCError, Send, as_bool, as_int, as_msg, as_str, b64d
-from .terminal import notify_winch, set_ctty, set_winsize
+from .terminal import notify_winch, set_winsize
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -56,9 +56,7 @@ class ProcessManager:
         raise RPCError("invalid_argument", "process selector requires pid or tag")
 
     def spawn(self, ctx: Ctx, msg: Msg) -> tuple[Proc, Subscriber]:
-        import fcntl  # noqa: F401  (pre-import for the PTY preexec hook)
         import subprocess
-        import termios  # noqa: F401
 
         pcfg = as_msg(msg.get("process"), "process")
         cmd = as_str(pcfg.get("cmd"), "cmd")
@@ -127,7 +125,9 @@ class ProcessManager:
                     stdin = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
                     child_fds.append(stdin)
             try:
-                pid, popen = _start(argv, env, cwd, (stdin, stdout, stderr), use_pty, creds)
+                pid, popen = vspawn.start(
+                    argv, env, cwd=cwd, fds=(stdin, stdout, stderr), ctty=use_pty, creds=creds
+                )
             except FileNotFoundError as e:
                 raise RPCError("invalid_argument", f"failed to start process: {e}") from None
             except PermissionError as e:
@@ -283,46 +283,6 @@ class ProcessManager:
             p + "CloseStdin": Method("unary", self.close_stdin),
             p + "Update": Method("unary", self.update),
         }
-
-
-def _start(
-    argv: list[str],
-    env: dict[str, str],
-    cwd: str,
-    fds: tuple[int, int, int],
-    pty: bool,
-    creds: vspawn.Credentials | None,
-) -> tuple[int, Any]:
-    """Starts a command in a session of its own (a PTY's slave as controlling terminal):
-    (pid, the Popen when subprocess started it). Through the bundle's spawn library when
-    present: one vfork and one exec, where subprocess forks envd (20-40 ms in gVisor) as
-    soon as the child must switch user or take a terminal."""
-    import subprocess
-
-    spawner = vspawn.available()
-    stdin, stdout, stderr = fds
-    if spawner is not None:
-        pid = spawner.spawn(
-            argv, env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, ctty=pty, creds=creds
-        )
-        return pid, None
-    kw: dict[str, Any] = {}
-    if creds is not None:
-        kw.update(user=creds.uid, group=creds.gid, extra_groups=list(creds.groups))
-    if pty:
-        kw["preexec_fn"] = set_ctty
-    popen = subprocess.Popen(
-        argv,
-        stdin=stdin,
-        stdout=stdout,
-        stderr=stderr,
-        cwd=cwd,
-        env=env,
-        start_new_session=True,
-        close_fds=True,
-        **kw,
-    )
-    return popen.pid, popen
 
 
 def _shell_fallback(cmd: str) -> str:

@@ -244,47 +244,20 @@ class SudoService:
     # -- running it -------------------------------------------------------------------------
 
     def _spawn(self, what: Plan, fds: list[int]) -> tuple[int, Any]:
-        """(pid, the Popen when subprocess started it): through envd's spawn library when
-        the bundle has it (a vfork), else subprocess (which forks envd)."""
+        """(pid, the Popen when subprocess started it) of the planned command."""
         import subprocess
 
-        from .terminal import set_ctty
-
-        spawner = vspawn.available()
         try:
-            if spawner is not None:
-                pid = spawner.spawn(
-                    what.argv,
-                    what.env,
-                    executable=what.executable,
-                    cwd=what.cwd,
-                    stdin=fds[0],
-                    stdout=fds[1],
-                    stderr=fds[2],
-                    ctty=what.tty,
-                    creds=vspawn.Credentials(what.uid, what.gid, tuple(what.groups)),
-                    umask=what.umask,
-                )
-                return pid, None
-            kw: dict[str, Any] = {"extra_groups": what.groups}
-            if what.uid != 0 or what.gid != 0:
-                kw.update(user=what.uid, group=what.gid)
-            if what.tty:
-                kw["preexec_fn"] = set_ctty
-            popen = subprocess.Popen(
+            return vspawn.start(
                 what.argv,
+                what.env,
                 executable=what.executable,
-                stdin=fds[0],
-                stdout=fds[1],
-                stderr=fds[2],
                 cwd=what.cwd,
-                env=what.env,
+                fds=(fds[0], fds[1], fds[2]),
+                ctty=what.tty,
+                creds=vspawn.Credentials(what.uid, what.gid, tuple(what.groups)),
                 umask=what.umask,
-                start_new_session=True,
-                close_fds=True,
-                **kw,
             )
-            return popen.pid, popen
         except FileNotFoundError:
             raise Refused(f"sudo: {what.argv[0]}: command not found") from None
         except (OSError, ValueError, subprocess.SubprocessError) as e:

@@ -16,6 +16,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 LIB_NAME = "libaenv-spawn.so"
 # In the bundle: /opt/aenv/app/aenv_envd/vspawn.py -> /opt/aenv/lib/libaenv-spawn.so
@@ -142,6 +143,56 @@ class Spawner:
         if where == "chdir":
             raise OSError(code, os.strerror(code), cwd)
         raise OSError(code, f"{os.strerror(code)} ({where})")
+
+
+def start(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    cwd: str | None,
+    fds: tuple[int, int, int],
+    ctty: bool = False,
+    creds: Credentials | None = None,
+    executable: str | None = None,
+    umask: int | None = None,
+) -> tuple[int, Any]:
+    """Starts a command in a session of its own (fds 0-2 as given, `ctty`: fd 0 its
+    controlling terminal): (pid, the Popen when subprocess started it). Through the
+    library when the bundle has it, else subprocess, which forks envd to switch user or
+    take a terminal. OSError/ValueError as subprocess raises them."""
+    stdin, stdout, stderr = fds
+    spawner = available()
+    if spawner is not None:
+        pid = spawner.spawn(
+            argv, env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, ctty=ctty,
+            creds=creds, executable=executable, umask=umask,
+        )  # fmt: skip
+        return pid, None
+    import fcntl  # noqa: F401  (imported before the fork: the terminal hook runs in the child)
+    import subprocess
+    import termios  # noqa: F401
+
+    from .terminal import set_ctty
+
+    kw: dict[str, Any] = {}
+    if creds is not None:
+        kw.update(user=creds.uid, group=creds.gid, extra_groups=list(creds.groups))
+    if ctty:
+        kw["preexec_fn"] = set_ctty
+    popen = subprocess.Popen(
+        list(argv),
+        executable=executable,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        cwd=cwd,
+        env=dict(env),
+        umask=-1 if umask is None else umask,
+        start_new_session=True,
+        close_fds=True,
+        **kw,
+    )
+    return popen.pid, popen
 
 
 _spawner: Spawner | None = None
