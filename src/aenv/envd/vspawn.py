@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import struct
 from collections.abc import Mapping, Sequence
@@ -195,18 +196,12 @@ def start(
     return popen.pid, popen
 
 
-_spawner: Spawner | None = None
-_looked = False
-
-
+@functools.cache
 def available() -> Spawner | None:
     """The bundle's spawner, or None without the library (loaded once)."""
-    global _spawner, _looked
-    if not _looked:
-        _looked = True
-        if LIB_PATH.is_file():
-            try:
-                _spawner = Spawner(LIB_PATH)
-            except (OSError, AttributeError):
-                _spawner = None
-    return _spawner
+    if not LIB_PATH.is_file():
+        return None
+    try:
+        return Spawner(LIB_PATH)
+    except (OSError, AttributeError):
+        return None
