@@ -211,6 +211,9 @@ class Settings(BaseSettings):
     # Pause: a paused sandbox is frozen at once and hibernated (checkpointed to disk, memory
     # released) after this many idle seconds; 0 hibernates at once.
     hibernate_after: float = 60.0
+    # Naps (`runtime/naps.py`): a running sandbox with no request for this many seconds and
+    # next to no CPU use of its own sleeps in long stretches until the next request; 0: never.
+    nap_after: float = 10.0
     # Admission: the sum of memoryMB of live sandboxes on this node may not exceed this
     # (None: 90% of the host's RAM).
     max_memory_mb: int | None = None

@@ -13,6 +13,7 @@ It composes the parts, each with one job, and only delegates:
     TemplateRegistry catalog + layer holds + repository           (templates.py)
     SandboxMetrics  sampled CPU/memory/disk per sandbox           (metrics.py)
     SandboxLogs     node events + envd's journal per sandbox      (logs.py)
+    IdleTracker     naps of idle sandboxes                        (idle.py)
     NodeStats       node view, operation counters, Prometheus     (nodeinfo.py)
     VolumeStore     volumes and their files                       (aenv.volumes)
     Mover           drain, release, adopt (cluster)               (moving.py)
@@ -57,6 +58,7 @@ from .context import Clock, NodeContext, check_timeout
 from .durable import Durable
 from .envd_client import EnvdClient, EnvdRpc
 from .fork import Forker, ForkResult
+from .idle import IdleTracker
 from .liveness import Liveness
 from .logs import LogEntry, SandboxLogs
 from .metrics import SAMPLE_SECONDS, MetricSample, SandboxMetrics
@@ -111,7 +113,8 @@ class Orchestrator:
         booter = Booter(ctx, table, runtime, storage, envd, bundle, volumes)
         self._snapshotter = snapshotter = Snapshotter(ctx, table, booter, runtime, templates)
         self._boot_snapshots = boot = BootSnapshots(ctx, table, booter, snapshotter, templates)
-        pool = WarmPool(ctx, table, booter, templates, boot)
+        self._idle = idle = IdleTracker(ctx, runtime)
+        pool = WarmPool(ctx, table, booter, templates, boot, idle)
         self._sandboxes = sandboxes = Sandboxes(
             ctx, table, booter, templates, pool, boot, runtime, storage, volumes
         )
@@ -198,12 +201,14 @@ class Orchestrator:
             await self._sandboxes.kill(sandbox_id)
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
+        self._idle.touch(sandbox_id)
         return await self._sandboxes.set_timeout(sandbox_id, timeout)
 
     async def update_network(self, sandbox_id: str, policy: EgressPolicy) -> SandboxRecord:
         return await self._sandboxes.update_network(sandbox_id, policy)
 
     async def refresh(self, sandbox_id: str, duration: int | None) -> SandboxRecord:
+        self._idle.touch(sandbox_id)
         return await self._sandboxes.refresh(sandbox_id, duration)
 
     async def export_layers(self, sandbox_id: str) -> builtins.list[str]:
@@ -230,7 +235,8 @@ class Orchestrator:
     ) -> None:
         # envd's journal is not read first (a request into the sandbox would cost pause
         # more than the freeze): a frozen or hibernated envd keeps it for the next read
-        # after resume; a paused sandbox's logs are those read up to 5 s before.
+        # after resume; a paused sandbox's logs are those read before it paused.
+        await self._idle.wake(sandbox_id)  # a napping sentry would stop slower
         with self._stats.observe("pause", sandbox_id):
             await self._pauser.pause(
                 sandbox_id, memory, timings, require_healthy_guest=require_healthy_guest
@@ -248,6 +254,7 @@ class Orchestrator:
         memory: bool | None = None,
         timings: Timings | None = None,
     ) -> tuple[SandboxRecord, bool]:
+        await self._idle.wake(sandbox_id)
         with self._stats.observe("connect", sandbox_id):
             r, resumed = await self._pauser.connect(sandbox_id, timeout, memory, timings)
         if resumed:
@@ -257,7 +264,9 @@ class Orchestrator:
     async def resolve(
         self, sandbox_id: str, port: int, traffic_token: str | None = None
     ) -> Upstream:
-        return await self._pauser.resolve(sandbox_id, port, traffic_token)
+        upstream = await self._pauser.resolve(sandbox_id, port, traffic_token)
+        await self._idle.wake(sandbox_id)
+        return upstream
 
     def signed_by(
         self, path: str, op: str, user: str, signature: str, exp: str | None
@@ -289,6 +298,7 @@ class Orchestrator:
         internal: bool = False,
         memory: bool = True,
     ) -> TemplateRecord:
+        await self._idle.wake(sandbox_id)  # a napping sentry would checkpoint slower
         with self._stats.observe("snapshot", sandbox_id):
             rec = await self._snapshotter.snapshot(
                 sandbox_id,
@@ -320,6 +330,7 @@ class Orchestrator:
         timeout: int | None = None,
         timings: Timings | None = None,
     ) -> builtins.list[ForkResult]:
+        await self._idle.wake(sandbox_id)
         with self._stats.observe("fork", sandbox_id):
             children = await self._forker.fork(sandbox_id, count, timeout, timings)
         self._logs.note(sandbox_id, "sandbox forked", count=count)
@@ -350,10 +361,15 @@ class Orchestrator:
         return await asyncio.to_thread(self._stats.exposition)
 
     async def sample(self) -> None:
-        """One round of metrics samples and log pulls (the sampler does it every few
-        seconds; the tests drive it)."""
-        await self._metrics.sample_all()
-        await self._logs.pull_all()
+        """One round of metrics samples, which also tell the idle tracker who naps (the
+        sampler does it every few seconds; the tests drive it). envd's journal is not read
+        here: it is read when someone asks for the logs (`logs`), so an idle sandbox gets no
+        request from the node."""
+        taken = await self._metrics.sample_all()
+        self._idle.forget({r.sandbox_id for r in self._table.all()})
+        self._logs.prune()
+        for r, s in taken:
+            await self._idle.observe(r, s.cpu_used_pct / 100 * s.cpu_count)
 
     async def _sample_loop(self) -> None:
         while True:

@@ -1,7 +1,9 @@
 """Per-sandbox logs, kept on the node for the sandbox's life (bounded): the node's own
 lifecycle events for the sandbox (created, paused, resumed, snapshot, forked...) and envd's
 journal (`envd/journal.py`: envd's log lines, each process started through it and its
-exit), pulled from envd every few seconds and before a logs request is answered.
+exit), read from envd when a logs request is answered, never on a timer: an idle sandbox
+gets no request from the node. envd keeps a bounded journal meanwhile; what a sandbox
+logged after the last read and before it was killed is not kept.
 
 What processes print is not kept: it can be large and secret, and the SDK already streams
 it to whoever started the process."""
@@ -80,11 +82,6 @@ class SandboxLogs:
             self._entries.pop(gone, None)
             self._cursor.pop(gone, None)
             self._locks.pop(gone, None)
-
-    async def pull_all(self) -> None:
-        self.prune()
-        for r in self.table.all():
-            await self.pull(r)
 
     async def pull(self, r: SandboxRecord) -> None:
         """Takes envd's new journal entries (a running sandbox only: a frozen envd cannot

@@ -55,16 +55,21 @@ class SandboxMetrics:
         self.ring_size = ring_size or RING_SIZE
         self._rings: dict[str, collections.deque[MetricSample]] = {}
 
-    async def sample_all(self) -> None:
-        """One round: a sample of each running sandbox; rings of sandboxes gone dropped."""
+    async def sample_all(self) -> list[tuple[SandboxRecord, MetricSample]]:
+        """One round: a sample of each running sandbox, returned with its record; rings of
+        sandboxes gone dropped."""
         records = self.table.all()
         live = {r.sandbox_id for r in records}
         for gone in self._rings.keys() - live:
             del self._rings[gone]
+        taken = []
         for r in records:
             if r.state is SandboxState.RUNNING and r.instance is not None:
                 with sandbox_context(r.sandbox_id):
-                    await self.sample(r)
+                    s = await self.sample(r)
+                if s is not None:
+                    taken.append((r, s))
+        return taken
 
     async def sample(self, r: SandboxRecord) -> MetricSample | None:
         inst = r.instance

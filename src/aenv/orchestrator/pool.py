@@ -15,6 +15,7 @@ from ..errors import AenvError
 from .boot import Booter, envd_token, traffic_token
 from .bootsnaps import BootSnapshots
 from .context import NodeContext
+from .idle import IdleTracker
 from .table import SandboxTable
 from .templates import TemplateRegistry
 
@@ -32,6 +33,7 @@ class WarmPool:
     booter: Booter
     templates: TemplateRegistry
     boot_snapshots: BootSnapshots
+    idle: IdleTracker
     _warm: list[SandboxRecord] = field(default_factory=list, init=False)
     _task: asyncio.Task[None] | None = field(default=None, init=False)
 
@@ -60,6 +62,7 @@ class WarmPool:
         w.traffic_access_token = traffic_token(req)
         w.mask_request_host = req.mask_request_host
         assert w.instance is not None
+        await self.idle.wake(w.sandbox_id)
         try:
             if not w.egress.is_open:  # booted with none: in force before the user's first call
                 with t.stage("egress"):
@@ -132,3 +135,4 @@ class WarmPool:
                 await asyncio.sleep(5)
                 continue
             self._warm.append(r)
+            await self.idle.nap_now(r)

@@ -138,6 +138,12 @@ class Runtime(abc.ABC):
         the host killed it at its memory limit); None when it cannot."""
         return None
 
+    async def nap(self, inst: Instance, on: bool) -> None:
+        """Lets an idle sandbox's processes sleep in long stretches (`on`) or wake on time
+        again (see `runtime/naps.py`); a backend without naps does nothing. Its processes go
+        on either way: a nap delays timers, never events."""
+        return None
+
     async def is_frozen(self, inst: Instance) -> bool:
         """Whether the container is frozen (start-up recovery puts it back in the state its
         record says: a crash may fall between a freeze or thaw and its record's save)."""

@@ -43,7 +43,7 @@ _NETWORKS = [
 _PER_NETWORK = 254
 OPS = frozenset(
     {"start", "close", "create", "restore", "stop", "destroy", "freeze", "thaw", "checkpoint"}
-    | {"stats", "alive", "set_egress"}
+    | {"stats", "alive", "set_egress", "nap"}
 )
 
 
@@ -122,6 +122,10 @@ class FakeRuntime(Runtime):
         self.calls: list[Call] = []
         self._hooks: dict[str, list[Hook]] = {}
         self._started = False
+        # Test controls: the instances napping now, and the CPU use (% of the sandbox's
+        # CPUs) `stats` reports per sandbox id.
+        self.napping: set[str] = set()
+        self.cpu_pct: dict[str, float] = {}
 
     # Test controls -----------------------------------------------------------------------
 
@@ -263,7 +267,10 @@ class FakeRuntime(Runtime):
         c = self._running(inst, call)
         total = c.memory_mb * 1024 * 1024
         return Stats(
-            cpu_used_pct=0.0, mem_used_bytes=total // 8, mem_total_bytes=total, rss_bytes=0
+            cpu_used_pct=self.cpu_pct.get(c.sandbox_id, 0.0),
+            mem_used_bytes=total // 8,
+            mem_total_bytes=total,
+            rss_bytes=0,
         )
 
     async def alive(self, inst: Instance) -> bool:
@@ -276,6 +283,13 @@ class FakeRuntime(Runtime):
 
     async def is_frozen(self, inst: Instance) -> bool:
         return self.state(inst) is FakeState.FROZEN
+
+    async def nap(self, inst: Instance, on: bool) -> None:
+        await self._enter(Call("nap", inst.id, inst.sandbox_id))
+        if on and self.state(inst) in (FakeState.RUNNING, FakeState.FROZEN):
+            self.napping.add(inst.id)
+        else:
+            self.napping.discard(inst.id)
 
     async def set_egress(self, inst: Instance, policy: EgressPolicy) -> None:
         call = Call("set_egress", inst.id, inst.sandbox_id, egress=policy)

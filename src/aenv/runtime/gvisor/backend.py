@@ -16,7 +16,7 @@ from typing import Any
 from aenv.config import Settings
 from aenv.domain import ENVD_PORT, EgressPolicy
 from aenv.errors import RuntimeFailure
-from aenv.runtime import _proc, netquiet, oci, rootfs, runsc
+from aenv.runtime import _proc, naps, netquiet, oci, rootfs, runsc
 from aenv.runtime.base import Instance, Runtime, SandboxSpec, Stats
 from aenv.runtime.freezer import CGROUP_ROOT, Freezer
 from aenv.runtime.gvisor import bundles, control
@@ -455,6 +455,12 @@ class GVisorRuntime(Runtime):
         log.info(
             "checkpointed %s to %s in %.0f ms", c.id, image_dir, (time.perf_counter() - t0) * 1000
         )
+
+    async def nap(self, inst: Instance, on: bool) -> None:
+        c = self._view(inst)
+        if c.stopped or c.checkpointed or inst.id in self._destroying:
+            return
+        await asyncio.to_thread(naps.set_slack, c.cgroup, naps.NAP_SLACK_NS if on else 0)
 
     async def is_frozen(self, inst: Instance) -> bool:
         c = self._view(inst)

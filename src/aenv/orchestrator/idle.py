@@ -1,0 +1,108 @@
+"""Which running sandboxes are idle, and their naps (`runtime/naps.py`).
+
+A sandbox naps once it has had no request for `nap_after` seconds and the metrics sampler
+saw it use next to no CPU; the next request of any kind (`wake`: the proxy's resolve, an
+operation on it) ends the nap before it is forwarded. A nap never stops anything inside:
+a background job that starts working while its sandbox naps shows in the next sample and
+ends the nap too, and that sandbox is then left awake for a while (`BUSY_HOLD`), so that a
+job that works in bursts does not nap between them.
+
+No timer of its own: it is told of requests as they come and of CPU use by the sampler's
+one round over all sandboxes, so an idle node does no per-sandbox work for it."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from ..domain import SandboxRecord
+from ..runtime.base import Instance, Runtime
+from .context import NodeContext
+
+log = logging.getLogger("aenv.orchestrator")
+
+# Cores. An idle sandbox awake costs 0.025-0.035 here (its sentry's own timers); one whose
+# processes work costs more.
+NAP_CPU = 0.06
+# Cores: napping, an idle sandbox costs under 0.001; more means something inside works.
+WAKE_CPU = 0.02
+# After a nap ended because the sandbox worked: no nap again for this long.
+BUSY_HOLD = timedelta(seconds=60)
+
+
+@dataclass
+class _Idle:
+    last_request: datetime
+    napping: Instance | None = None
+    hold_until: datetime | None = None
+
+
+class IdleTracker:
+    def __init__(self, ctx: NodeContext, runtime: Runtime) -> None:
+        self.ctx = ctx
+        self.runtime = runtime
+        self._state: dict[str, _Idle] = {}
+
+    @property
+    def nap_after(self) -> float:
+        return self.ctx.settings.nap_after
+
+    def _of(self, sandbox_id: str) -> _Idle:
+        s = self._state.get(sandbox_id)
+        if s is None:
+            s = self._state[sandbox_id] = _Idle(last_request=self.ctx.now())
+        return s
+
+    def napping(self, sandbox_id: str) -> bool:
+        s = self._state.get(sandbox_id)
+        return s is not None and s.napping is not None
+
+    def touch(self, sandbox_id: str) -> None:
+        """A request for the sandbox came: its idle time starts again."""
+        self._of(sandbox_id).last_request = self.ctx.now()
+
+    async def wake(self, sandbox_id: str) -> None:
+        """A request is about to reach the sandbox: its nap, if any, ends first."""
+        s = self._of(sandbox_id)
+        s.last_request = self.ctx.now()
+        if s.napping is not None:
+            inst, s.napping = s.napping, None
+            await self._set(inst, False)
+
+    async def nap_now(self, r: SandboxRecord) -> None:
+        """Naps a sandbox nobody uses yet (a warm pool's) at once."""
+        if self.nap_after > 0 and r.instance is not None:
+            s = self._of(r.sandbox_id)
+            s.napping = r.instance
+            await self._set(r.instance, True)
+
+    async def observe(self, r: SandboxRecord, cpu_cores: float) -> None:
+        """The sampler's reading of a running sandbox's CPU use since its last one."""
+        if self.nap_after <= 0 or r.instance is None:
+            return
+        s = self._of(r.sandbox_id)
+        now = self.ctx.now()
+        if s.napping is not None:
+            if cpu_cores > WAKE_CPU:
+                inst, s.napping = s.napping, None
+                s.hold_until = now + BUSY_HOLD
+                await self._set(inst, False)
+            return
+        if cpu_cores >= NAP_CPU or (s.hold_until is not None and now < s.hold_until):
+            return
+        if (now - s.last_request).total_seconds() < self.nap_after:
+            return
+        s.napping = r.instance
+        await self._set(r.instance, True)
+
+    def forget(self, keep: set[str]) -> None:
+        """Drops what is known of sandboxes not in `keep` (gone from the node)."""
+        for gone in self._state.keys() - keep:
+            del self._state[gone]
+
+    async def _set(self, inst: Instance, on: bool) -> None:
+        try:
+            await self.runtime.nap(inst, on)
+        except Exception as e:  # a nap is an optimisation: never fail a request for it
+            log.debug("nap %s of %s: %s", "on" if on else "off", inst.id, e)
