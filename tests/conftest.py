@@ -21,4 +21,3 @@ atexit.register(functools.partial(shutil.rmtree, os.environ["XDG_CONFIG_HOME"], 
 # example can take 10x its usual time, and a per-example deadline then fails a correct test.
 settings.register_profile("aenv", deadline=None)
 settings.load_profile("aenv")
-

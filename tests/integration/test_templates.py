@@ -397,9 +397,7 @@ def test_sdk_tags_base_image_alias_and_tmp(e2b_env: Server, sandboxes: list[obje
 
 
 @pytest.mark.timeout(600)
-def test_tmp_is_part_of_the_files(
-    images: Images, e2b_env: Server, sandboxes: list[object]
-) -> None:
+def test_tmp_is_part_of_the_files(images: Images, e2b_env: Server, sandboxes: list[object]) -> None:
     """/tmp is the sandbox's disk like the rest: kept by a build, a files-only pause and a
     snapshot; and an image without bash still runs the SDK's commands (with /bin/sh)."""
     name = unique("sdk-nobash")

@@ -32,9 +32,7 @@ def test_dockerfile_installs_runsc_from_backports_and_runs_aenv() -> None:
     # A build stage installs the console's pinned packages; the image itself has no Node.
     assert froms == ["debian:bookworm-slim AS console", "debian:bookworm-slim"]
     console_copy = [rest for op, rest in steps if op == "COPY" and rest.startswith("--from=")]
-    assert console_copy == [
-        "--from=console /console/node_modules ./src/aenv/console/node_modules"
-    ]
+    assert console_copy == ["--from=console /console/node_modules ./src/aenv/console/node_modules"]
     assert any("npm ci" in rest for op, rest in steps if op == "RUN")
     runs = " ".join(rest for op, rest in steps if op == "RUN")
     assert re.search(r"-t bookworm-backports\s+runsc", runs)

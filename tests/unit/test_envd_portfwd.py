@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import sys
 from pathlib import Path
@@ -121,3 +122,49 @@ def test_table_reads_fresh_contents_each_time(tmp_path: Path) -> None:
     table.close()
     path.unlink()
     assert table.read() == ""  # gone, and cannot be reopened
+
+
+async def test_forwarder_reads_the_tables_only_when_asked_or_while_forwarding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Idle, the forwarder does nothing; `forward(port)` reads the tables once and opens the
+    forward; it then sweeps until the listener is gone, and stops sweeping."""
+
+    async def nothing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    server = await asyncio.start_server(nothing, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    table = {"listeners": [("127.0.0.1", port)]}
+    reads: list[str] = []
+
+    def read(self: _Table) -> str:
+        reads.append(self.path)
+        return self.path
+
+    monkeypatch.setattr("aenv.envd.portfwd._Table.read", read)
+    monkeypatch.setattr(
+        "aenv.envd.portfwd.parse_listeners",
+        lambda path: [] if path.endswith("6") else table["listeners"],
+    )
+    fwd = PortForwarder(host="127.0.0.9", interval=0.05)
+    task = asyncio.create_task(fwd.run())
+    try:
+        await asyncio.sleep(0.3)
+        assert reads == []  # nothing asked, nothing open: no reads at all
+        assert await fwd.forward(port + 1 if port < 65535 else port - 1) is False
+        assert await fwd.forward(port) is True
+        await asyncio.sleep(0.3)
+        swept = len(reads)
+        assert swept >= 6  # sweeping while the forward is open
+        table["listeners"] = [("127.0.0.9", port)]
+        await asyncio.sleep(0.3)
+        assert fwd.servers == {}
+        settled = len(reads)
+        await asyncio.sleep(0.3)
+        assert len(reads) == settled  # none open: the sweeping stopped
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        server.close()

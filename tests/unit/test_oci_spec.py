@@ -33,9 +33,10 @@ def test_limits_follow_the_sandbox_shape() -> None:
         assert res["memory"]["limit"] == mem * 2**20
         assert res["pids"]["limit"] > rlimit(cfg, "RLIMIT_NPROC")
     # A node busy with both splits CPU 1:4, and the bigger one may run more processes.
-    assert big["linux"]["resources"]["cpu"]["shares"] == 4 * small["linux"]["resources"]["cpu"][
-        "shares"
-    ]
+    assert (
+        big["linux"]["resources"]["cpu"]["shares"]
+        == 4 * small["linux"]["resources"]["cpu"]["shares"]
+    )
     assert rlimit(small, "RLIMIT_NPROC") < rlimit(big, "RLIMIT_NPROC")
     assert rlimit(config(spec(memory_mb=64)), "RLIMIT_NPROC") >= 128  # enough for a shell
 

@@ -98,7 +98,11 @@ def create_app(settings: Settings, orchestrator: Orchestrator) -> ASGIApp:
     """The node's single ASGI app: data plane in front of the control plane."""
     control = create_control_app(settings, orchestrator)
     router = SandboxRouter(
-        control, orchestrator.resolve, settings.routing_domains, signed_by=orchestrator.signed_by
+        control,
+        orchestrator.resolve,
+        settings.routing_domains,
+        signed_by=orchestrator.signed_by,
+        expose=orchestrator.expose,
     )
     orchestrator.on_sandbox_stopped(router.drop)
     return router

@@ -2,18 +2,22 @@
 
 Dev servers bind 127.0.0.1 by default; the node's proxy reaches the sandbox on its external
 address, so such a port would be unreachable. As on E2B (whose envd runs a forwarder for
-the same reason), envd polls ``/proc/net/tcp`` and ``/proc/net/tcp6`` for LISTEN sockets,
+the same reason), envd reads ``/proc/net/tcp`` and ``/proc/net/tcp6`` for LISTEN sockets,
 and for each port listened on only on loopback (127.0.0.0/8, ``::1``, their IPv4-mapped
 forms) opens a listener on the sandbox's external address that pipes every connection to
 the loopback one. It is closed when the loopback listener goes away. A port with any other
 listener (``0.0.0.0``, ``::``, the external address) is left alone, and so is envd's own.
 
-Polling, not an event: Linux has no notification for a new listening socket. A poll is one
-wake-up a second and two preads of the kept-open tables (≈ 13 µs each in gVisor/systrap,
-against ≈ 175 µs for open+read+close). The state is plain asyncio servers, two open files
-and one sleeping task, so a checkpoint, restore or fork keeps forwarding as before.
+On demand, not on a timer: Linux has no notification for a new listening socket, and a
+poll every second in every idle sandbox is what an idle node cannot afford. So the node
+asks (``POST /forward?port=N``, `forward`) when its proxy found port N refused: one read
+of the kept-open tables (two preads, ≈ 13 µs each in gVisor/systrap), the forward opened if
+the port is listened on loopback, and the answer says whether the node should try again.
+While any forward is open, the tables are read every `interval` to close the forwards whose
+listener went away; with none open, nothing runs. The state is plain asyncio servers, two
+open files and one task, so a checkpoint, restore or fork keeps forwarding as before.
 
-A program that replaces its loopback listener by one on all addresses within a poll
+A program that replaces its loopback listener by one on all addresses within a sweep
 interval may find the port still held by the forwarder (``EADDRINUSE``), as on E2B.
 
 On with ``AENV_ENVD_PORT_FORWARD=1`` (the default in a sandbox); ``AENV_ENVD_FORWARD_HOST``
@@ -145,7 +149,8 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 class PortForwarder:
-    """`await PortForwarder(skip={envd_port}).run()` until cancelled."""
+    """`await PortForwarder(skip={envd_port}).run()` until cancelled; `forward(port)` when
+    the node asks."""
 
     def __init__(
         self, skip: Iterable[int] = (), host: str | None = None, interval: float = POLL_SECONDS
@@ -156,17 +161,26 @@ class PortForwarder:
         self.servers: dict[int, tuple[str, asyncio.Server]] = {}
         self._refused: set[tuple[int, str]] = set()  # logged once each
         self.tables = [_Table("/proc/net/tcp"), _Table("/proc/net/tcp6")]
+        self._open_any = asyncio.Event()  # set while any forward is open
 
     async def run(self) -> None:
+        """Sweeps every `interval` while forwards are open; sleeps on an event otherwise."""
         try:
             while True:
-                await self.poll()
+                await self._open_any.wait()
                 await asyncio.sleep(self.interval)
+                await self.poll()
         finally:
             for _, server in self.servers.values():
                 server.close()
             for table in self.tables:
                 table.close()
+
+    async def forward(self, port: int) -> bool:
+        """Whether `port` is forwarded now (the node's proxy found it refused): the tables
+        are read once and the forwards follow them."""
+        await self.poll()
+        return port in self.servers
 
     async def poll(self) -> None:
         listeners = [x for table in self.tables for x in parse_listeners(table.read())]
@@ -178,14 +192,23 @@ class PortForwarder:
                 server.close()  # open connections go on until either side ends them
                 del self.servers[port]
         if not wanted.keys() - self.servers.keys():
+            self._follow()
             return
         if self.host is None:
             self.host = external_address()
             if self.host is None:
+                self._follow()
                 return
         for port, target in wanted.items():
             if port not in self.servers:
                 await self._open(port, target)
+        self._follow()
+
+    def _follow(self) -> None:
+        if self.servers:
+            self._open_any.set()
+        else:
+            self._open_any.clear()
 
     async def _open(self, port: int, target: str) -> None:
         async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

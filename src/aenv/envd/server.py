@@ -16,6 +16,7 @@ from .state import State, User
 
 if TYPE_CHECKING:
     from .filesystem import Filesystem
+    from .portfwd import PortForwarder
     from .process import ProcessManager
 
 MAX_INIT_BODY = 4 * 1024 * 1024
@@ -82,6 +83,8 @@ class App:
         self._procs: ProcessManager | None = None
         self._fs: Filesystem | None = None
         self._methods: dict[str, Method] | None = None
+        # Loopback ports made reachable on request (`POST /forward`); None outside a sandbox.
+        self.forwarder: PortForwarder | None = None
 
     # lazily built so that start-up imports stay small
     @property
@@ -171,6 +174,17 @@ class App:
             from .metrics import collect
 
             await resp.send_json(200, await collect())
+            return
+        if path == "/forward":
+            if m != "POST":
+                raise HTTPError(405, "method not allowed")
+            self.http_auth(req)
+            try:
+                port = int(req.query.get("port", ""))
+            except ValueError:
+                raise HTTPError(400, "port must be an integer") from None
+            done = self.forwarder is not None and await self.forwarder.forward(port)
+            await resp.send_json(200, {"forwarded": done})
             return
         if path == "/logs":
             if m != "GET":
@@ -272,6 +286,7 @@ async def serve(host: str, port: int, state: State | None = None) -> None:
         from .portfwd import PortForwarder
 
         forwarder = PortForwarder(skip={port}, host=os.environ.get(FORWARD_HOST_ENV) or None)
+        app.forwarder = forwarder
         forwarding = asyncio.create_task(forwarder.run())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -105,6 +105,21 @@ class EnvdClient:
             raise RuntimeFailure("envd /logs answered something other than an object")
         return body
 
+    async def forward(self, host: str, port: int, *, token: str, target: int) -> bool:
+        """Asks envd to make loopback-only port `target` reachable (`envd/portfwd.py`);
+        whether it now is."""
+        resp = await self._http.post(
+            f"http://{host}:{port}/forward",
+            params={"port": str(target)},
+            headers=auth_headers(token or None),
+            timeout=2.0,
+        )
+        if resp.status_code == 404:
+            return False  # an envd from before on-demand forwarding: it polls on its own
+        if resp.status_code >= 300:
+            raise RuntimeFailure(f"envd /forward failed: {resp.status_code} {resp.text[:200]}")
+        return bool(resp.json().get("forwarded"))
+
 
 # Connect-RPC calls into a sandbox (process.Process/Start, filesystem MakeDir, /files upload),
 # for work the node itself does inside sandboxes (template builds, image entrypoints).

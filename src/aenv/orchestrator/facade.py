@@ -32,6 +32,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from ..config import Settings
 from ..domain import (
     ENVD_PORT,
@@ -45,7 +47,7 @@ from ..domain import (
     Upstream,
 )
 from ..envd.files import file_signature
-from ..errors import BadRequest, Conflict, Unavailable
+from ..errors import AenvError, BadRequest, Conflict, Unavailable
 from ..images.cache import holder
 from ..images.pull import PulledImage, pull
 from ..runtime.base import Runtime
@@ -267,6 +269,20 @@ class Orchestrator:
         upstream = await self._pauser.resolve(sandbox_id, port, traffic_token)
         await self._idle.wake(sandbox_id)
         return upstream
+
+    async def expose(self, sandbox_id: str, port: int) -> bool:
+        """The proxy found `port` refused: asks the sandbox's envd to forward it if a process
+        listens on it on loopback only. Whether a retry may now reach it."""
+        r = self._table.find(sandbox_id)
+        if r is None or r.state is not SandboxState.RUNNING or r.address is None:
+            return False
+        try:
+            return await self._envd.forward(
+                r.address, ENVD_PORT, token=r.envd_access_token, target=port
+            )
+        except (AenvError, httpx.HTTPError, ValueError) as e:
+            log.debug("no forward of port %s of %s: %s", port, sandbox_id, e)
+            return False
 
     def signed_by(
         self, path: str, op: str, user: str, signature: str, exp: str | None

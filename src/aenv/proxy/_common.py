@@ -8,7 +8,9 @@ import socket
 import struct
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+from aenv.domain import ENVD_PORT
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -16,6 +18,10 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
+# (sandbox id, port) -> whether a port found refused may now be reached (the sandbox
+# forwards a loopback-only listener on it); see `envd/portfwd.py`.
+Exposer = Callable[[str, int], Awaitable[bool]]
+_T = TypeVar("_T")
 
 #: Headers that pick the sandbox and port; they never reach the sandbox.
 ROUTING_HEADERS = frozenset(
@@ -158,3 +164,21 @@ async def deny_websocket_json(
     body = json_body(payload)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await deny_websocket(scope, send, status, headers, body)
+
+
+async def connect_exposing(
+    connect: Callable[[], Awaitable[_T]], target: Target, expose: Exposer | None
+) -> _T:
+    """`connect()`, and once more if it was refused and `expose` made the port reachable
+    (a process in the sandbox listens on it on loopback only). envd's own port is never
+    forwarded: a refusal there is an answer."""
+    try:
+        return await connect()
+    except ConnectionRefusedError:
+        if (
+            expose is None
+            or target.sandbox_port == ENVD_PORT
+            or not await expose(target.sandbox_id, target.sandbox_port)
+        ):
+            raise
+    return await connect()

@@ -50,6 +50,7 @@ from aenv.logctx import sandbox_context
 from ._common import (
     ROUTING_HEADERS,
     ASGIApp,
+    Exposer,
     Message,
     Receive,
     Scope,
@@ -65,8 +66,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PORT = ENVD_PORT
 # envd routes only the node calls, refused from outside as E2B's proxy does: `/init` re-keys
-# a sandbox (token, environment, user), `/envs`, `/metrics` and `/logs` read its state.
-INTERNAL_ENVD_PATHS = frozenset({"/init", "/envs", "/metrics", "/logs"})
+# a sandbox (token, environment, user), `/envs`, `/metrics` and `/logs` read its state,
+# `/forward` opens a port forward.
+INTERNAL_ENVD_PATHS = frozenset({"/init", "/envs", "/metrics", "/logs", "/forward"})
 # (sandbox id, port, the client's traffic token or None) -> where to send the request.
 Resolver = Callable[[str, int, str | None], Awaitable[Upstream]]
 # (path, "read"|"write", username, signature, expiration or None) -> the sandbox that signed.
@@ -144,14 +146,15 @@ class SandboxRouter:
         http: HttpForwarder | None = None,
         ws: WebSocketForwarder | None = None,
         signed_by: SignatureResolver | None = None,
+        expose: Exposer | None = None,
     ) -> None:
         self.control_app = control_app
         self.resolver = resolver
         self.signed_by = signed_by
         self.domains = [d.strip().strip(".").lower() for d in domains if d.strip().strip(".")]
         self.default_port = default_port
-        self.http = http or HttpForwarder(connect_timeout=connect_timeout)
-        self.ws = ws or WebSocketForwarder(connect_timeout=connect_timeout)
+        self.http = http or HttpForwarder(connect_timeout=connect_timeout, expose=expose)
+        self.ws = ws or WebSocketForwarder(connect_timeout=connect_timeout, expose=expose)
 
     # -- routing -----------------------------------------------------------------------
 

@@ -25,17 +25,20 @@ about 1.2 ms (p50; p99 over 10 ms) and served a small fraction of the throughput
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from aenv.errors import SandboxNotFound
 
 from ._common import (
+    Exposer,
     Headers,
     Message,
     Receive,
     Scope,
     Send,
     Target,
+    connect_exposing,
     end_to_end,
     reset_client,
     send_json,
@@ -93,13 +96,15 @@ class HttpForwarder:
         connect_timeout: float = 5.0,
         idle_timeout: float = 4.0,
         pool: ConnectionPool | None = None,
+        expose: Exposer | None = None,
     ) -> None:
         self.pool = pool or ConnectionPool(
             connect_timeout=connect_timeout, idle_timeout=idle_timeout
         )
+        self.expose = expose
 
     async def forward(self, scope: Scope, receive: Receive, send: Send, target: Target) -> None:
-        await _Exchange(self.pool, scope, receive, send, target).run()
+        await _Exchange(self.pool, scope, receive, send, target, self.expose).run()
 
     def drop(self, sandbox_id: str) -> None:
         self.pool.drop(sandbox_id)
@@ -112,9 +117,16 @@ class _Exchange:
     """One request/response through the proxy."""
 
     def __init__(
-        self, pool: ConnectionPool, scope: Scope, receive: Receive, send: Send, target: Target
+        self,
+        pool: ConnectionPool,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        target: Target,
+        expose: Exposer | None = None,
     ) -> None:
         self.pool = pool
+        self.expose = expose
         self.scope = scope
         self.receive = receive
         self.send = send
@@ -259,7 +271,13 @@ class _Exchange:
         fresh = False
         while True:
             try:
-                conn = await self.pool.acquire(key, target.host, target.port, fresh=fresh)
+                conn = await connect_exposing(
+                    functools.partial(
+                        self.pool.acquire, key, target.host, target.port, fresh=fresh
+                    ),
+                    target,
+                    self.expose,
+                )
             except (OSError, TimeoutError) as exc:
                 self._cancel_client_side()
                 await self._fail_before_response(_describe(exc))

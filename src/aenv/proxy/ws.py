@@ -31,7 +31,17 @@ from websockets.http11 import Request
 from websockets.typing import Subprotocol
 from websockets.uri import WebSocketURI, parse_uri
 
-from ._common import Receive, Scope, Send, Target, deny_websocket, deny_websocket_json, end_to_end
+from ._common import (
+    Exposer,
+    Receive,
+    Scope,
+    Send,
+    Target,
+    connect_exposing,
+    deny_websocket,
+    deny_websocket_json,
+    end_to_end,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +118,10 @@ class WebSocketForwarder:
         close_timeout: float = 5.0,
         max_size: int = MAX_MESSAGE,
         max_queue: int = MAX_QUEUE,
+        expose: Exposer | None = None,
     ) -> None:
         self.connect_timeout = connect_timeout
+        self.expose = expose
         self.handshake_timeout = handshake_timeout
         self.close_timeout = close_timeout
         self.max_size = max_size
@@ -192,7 +204,11 @@ class WebSocketForwarder:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, connection = await loop.create_connection(factory, target.host, target.port)
+                _, connection = await connect_exposing(
+                    lambda: loop.create_connection(factory, target.host, target.port),
+                    target,
+                    self.expose,
+                )
         except (OSError, TimeoutError) as exc:
             reason = (
                 "connect timed out"
