@@ -42,7 +42,13 @@ CONCURRENT_ROWS = [
     "idle_sandbox_rss_mib",
     "idle_sandbox_pss_mib",
 ]
-POPULATED_ROWS = ["create_to_first_exec_with_100", "exec_roundtrip_with_100", "list_1000"]
+POPULATED_ROWS = [
+    "create_to_first_exec_with_100",
+    "exec_roundtrip_with_100",
+    "list_1000",
+    "idle_node_mc",
+    "idle_sandbox_mc",
+]
 MAIN_ROWS = [
     "create_to_first_exec",
     *RUNNING_ROWS,

@@ -45,6 +45,11 @@ class Plan:
     # Seconds an idle sandbox sits before its memory is read; how long to wait for a
     # paused sandbox to report it is hibernated.
     idle_wait: float = 3.0
+    # idle_node_mc / idle_sandbox_mc: the window the machine's busy CPU is averaged over,
+    # and how long the filled node settles first (sandboxes nap after 10 s without a
+    # request, noticed by the next 5-s metrics round).
+    idle_cpu_window: float = 60.0
+    idle_cpu_settle: float = 20.0
     hibernate_wait: float = 20.0
     dirty_mib: int = 1024
     # The baseline of the heavy rows (snapshot_dirty_1gib, fork_*, concurrent_create_50):
@@ -84,6 +89,7 @@ class Plan:
             populated_exec=8,
             list=5,
             idle_wait=1.0,
+            idle_cpu_window=20.0,
             hibernate_wait=5.0,
             baseline_heavy=False,
             max_failures=1,

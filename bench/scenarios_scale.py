@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from . import hostproc
 from .client import BenchError, Sbx
+from .idle_cpu import busy_millicores
 from .scenarios_common import POOL_REFILL_WAIT, RowsBase, sample_loop
 
 CONCURRENT_MEMORY_MB = 256
@@ -18,6 +19,8 @@ FILLER_MEMORY_MB = 128
 CREATE_WITH = "create_to_first_exec_with_100"
 EXEC_WITH = "exec_roundtrip_with_100"
 LIST_ROW = "list_1000"
+IDLE_NODE = "idle_node_mc"
+IDLE_SANDBOX = "idle_sandbox_mc"
 # A fill stops after this many failed creates (the node is full, or failing).
 FILL_FAILURES = 5
 
@@ -136,14 +139,18 @@ class ScaleRows(RowsBase):
         `list_sandboxes` on the node, files-only paused: they hold no memory)."""
         want_with = [r for r in (CREATE_WITH, EXEC_WITH) if self.want(r)]
         want_list = self.want(LIST_ROW)
-        if not want_with and not want_list:
+        want_idle = [r for r in (IDLE_NODE, IDLE_SANDBOX) if self.want(r)]
+        if want_idle and not self.local:
+            self.results.missing(want_idle, "the server is not on this host")
+            want_idle = []
+        if not want_with and not want_list and not want_idle:
             return
         filler: list[str] = []
         try:
             if want_list:
                 await self._list_samples(baseline=True, on_node=len(await self._listed()))
-            if want_with:
-                await self._with_rows(filler)
+            if want_with or want_idle:
+                await self._with_rows(filler, idle_cpu=bool(want_idle))
             if want_list:
                 await self._list_row(filler)
         finally:
@@ -157,9 +164,18 @@ class ScaleRows(RowsBase):
         except BenchError:
             return []
 
-    async def _with_rows(self, filler: list[str]) -> None:
+    async def _idle_cpu(self, label: str) -> float:
+        p = self.plan
+        self.progress.step(f"{label}: settle {p.idle_cpu_settle:g}s, {p.idle_cpu_window:g}s", 1)
+        await asyncio.sleep(p.idle_cpu_settle)
+        mc = await busy_millicores(p.idle_cpu_window)
+        self.progress.advance()
+        return mc
+
+    async def _with_rows(self, filler: list[str], *, idle_cpu: bool = False) -> None:
         p = self.plan
         rows = [CREATE_WITH, EXEC_WITH]
+        empty = await self._idle_cpu("machine busy CPU, no sandboxes") if idle_cpu else None
         try:
             ref, _, _ = await self.create_and_exec()
         except BenchError as exc:
@@ -168,6 +184,9 @@ class ScaleRows(RowsBase):
         try:
             await self._with_samples(ref, baseline=True)
             made = await self._fill(p.idle_sandboxes - 1, filler, files_only=False)
+            if empty is not None:
+                full = await self._idle_cpu(f"machine busy CPU, {made + 1} idle sandboxes")
+                self._idle_cpu_rows(empty, full, made + 1)
             self.progress.log(f"populated: {made} idle sandboxes; settling {p.idle_wait:g}s")
             await asyncio.sleep(p.idle_wait)
             await self._with_samples(ref, baseline=False)
@@ -180,6 +199,22 @@ class ScaleRows(RowsBase):
                 )
         finally:
             await self._quiet_kill([ref])
+
+    def _idle_cpu_rows(self, empty: float, full: float, n: int) -> None:
+        window = f"the machine's busy CPU over {self.plan.idle_cpu_window:g} s (/proc/stat)"
+        self.results.add(IDLE_NODE, empty)
+        self.results.note(
+            IDLE_NODE,
+            f"{window}, the server up with its warm pool and no other sandbox; every "
+            "process counts, the host's own agents too",
+        )
+        self.results.add(IDLE_SANDBOX, max(0.0, full - empty) / n)
+        self.results.note(
+            IDLE_SANDBOX,
+            f"({full:.1f} - {empty:.1f}) / {n}: {window} with {n} idle sandboxes (memoryMB "
+            f"{FILLER_MEMORY_MB}, settled {self.plan.idle_cpu_settle:g} s) less the same "
+            "with none, per sandbox",
+        )
 
     async def _with_samples(self, ref: Sbx, *, baseline: bool) -> None:
         """exec on `ref` and create → first exec (warm pool, killed each time), into the
