@@ -6,14 +6,27 @@ one-line messages. Nothing formats errors by hand.
 
 from __future__ import annotations
 
+import math
+
 
 class AenvError(Exception):
     status: int = 500
 
-    def __init__(self, message: str, *, error_code: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, error_code: str | None = None, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.error_code = error_code
+        # Seconds after which the same request may succeed (a busy node): sent as the
+        # `Retry-After` header of the error response.
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        """The response headers that go with the error's JSON body."""
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
 
     def to_json(self) -> dict[str, object]:
         body: dict[str, object] = {"code": self.status, "message": self.message}

@@ -1,40 +1,79 @@
-"""Node admission: creates past the node's capacity are refused with a clear 429 or 503
-(and the E2B error shape on the API), never started to fail later."""
+"""Back-pressure on the whole orchestrator over the fake runtime: creates past what the boot
+slots and their queue take are refused at once with 503 and `Retry-After` (not left to hang
+and half-fail), a fork's children are admitted all together or not at all, and what was
+admitted still starts."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from aenv.domain import CreateRequest
-from aenv.errors import TooManyRequests, Unavailable
-from tests.node_harness import started
+from aenv.api.app import create_control_app
+from aenv.domain import CreateRequest, SandboxState
+from aenv.errors import Unavailable
+from tests.node_harness import Harness, started
+
+API_KEY = "admission-test-key-0123456789"
 
 
-async def test_past_max_sandboxes_a_create_gets_429_until_one_is_killed(tmp_path: Path) -> None:
-    async for h in started(tmp_path, max_sandboxes=2):
-        a = await h.orch.create(CreateRequest())
-        await h.orch.create(CreateRequest())
-        with pytest.raises(TooManyRequests, match="maximum of 2 concurrent") as e:
-            await h.orch.create(CreateRequest())
-        assert e.value.status == 429
-        assert len(h.orch.list()) == 2  # nothing half-made is listed
-        await h.orch.kill(a.sandbox_id)
-        await h.orch.create(CreateRequest())
+@pytest.fixture
+async def node(tmp_path: Path) -> AsyncIterator[Harness]:
+    # One boot slot, one create may wait for it; each boot takes 0.2 s.
+    async for h in started(tmp_path, api_key=API_KEY, boot_concurrency=1, boot_queue=1):
+        h.runtime.delay = 0.2
+        yield h
 
 
-async def test_past_the_memory_budget_a_create_gets_503(tmp_path: Path) -> None:
-    async for h in started(tmp_path, max_memory_mb=1024):
-        await h.orch.create(CreateRequest(memory_mb=768))
-        with pytest.raises(Unavailable, match="not enough memory") as e:
-            await h.orch.create(CreateRequest(memory_mb=512))
-        assert e.value.status == 503
+async def test_creates_past_the_boot_queue_are_refused_at_once(node: Harness) -> None:
+    first = asyncio.create_task(node.orch.create(CreateRequest()))
+    second = asyncio.create_task(node.orch.create(CreateRequest()))
+    await asyncio.sleep(0.05)  # the first holds the slot, the second waits
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(Unavailable) as refused:
+        await node.orch.create(CreateRequest())
+    assert loop.time() - t0 < 0.1  # at once, not after the others
+    assert refused.value.retry_after is not None and refused.value.retry_after >= 1
+    assert refused.value.headers()["Retry-After"].isdigit()
+    made = await asyncio.gather(first, second)
+    assert [r.state for r in made] == [SandboxState.RUNNING] * 2
+    assert len(node.orch.list()) == 2  # the refused one left nothing behind
+    # The queue drained: a create goes through again.
+    assert (await node.orch.create(CreateRequest())).state is SandboxState.RUNNING
 
 
-async def test_a_node_short_of_disk_refuses_creates(tmp_path: Path) -> None:
-    async for h in started(tmp_path, min_free_disk_mb=10**9):
-        with pytest.raises(Unavailable, match="not enough free disk") as e:
-            await h.orch.create(CreateRequest())
-        assert e.value.status == 503
-        assert h.orch.list() == []
+async def test_the_api_answers_503_with_retry_after(node: Harness) -> None:
+    app = create_control_app(node.settings, node.orch)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app),
+        base_url="http://aenv",
+        headers={"X-API-Key": API_KEY},
+    ) as c:
+        busy = [
+            asyncio.create_task(c.post("/sandboxes", json={"templateID": "base"})) for _ in range(2)
+        ]
+        await asyncio.sleep(0.05)
+        r = await c.post("/sandboxes", json={"templateID": "base"})
+        assert r.status_code == 503
+        assert int(r.headers["Retry-After"]) >= 1
+        assert r.json()["code"] == 503 and "busy starting sandboxes" in r.json()["message"]
+        assert [b.status_code for b in await asyncio.gather(*busy)] == [201, 201]
+
+
+async def test_a_fork_is_admitted_whole_or_refused_before_the_parent_is_touched(
+    node: Harness,
+) -> None:
+    parent = await node.orch.create(CreateRequest())
+    blockers = [asyncio.create_task(node.orch.create(CreateRequest())) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    before = len(node.runtime.calls)
+    with pytest.raises(Unavailable):
+        await node.orch.fork(parent.sandbox_id, 3)
+    assert len(node.runtime.calls) == before  # no checkpoint, no child
+    await asyncio.gather(*blockers)
+    children = await node.orch.fork(parent.sandbox_id, 3)  # 3 children > queue of 1: whole
+    assert all(c.error is None for c in children)

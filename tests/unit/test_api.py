@@ -174,6 +174,9 @@ class FakeOrchestrator:
         self.get(sandbox_id)
         return Upstream("127.0.0.1", port)
 
+    async def expose(self, sandbox_id: str, port: int) -> bool:
+        return False
+
     def on_sandbox_stopped(self, listener: Callable[[str], None]) -> None:
         pass
 

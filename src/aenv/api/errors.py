@@ -67,7 +67,7 @@ async def _aenv_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, AenvError)
     if exc.status >= 500:
         log.error("%s %s failed: %s", request.method, request.url.path, exc.message)
-    return JSONResponse(exc.to_json(), status_code=exc.status)
+    return JSONResponse(exc.to_json(), status_code=exc.status, headers=exc.headers())
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import secrets
+import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -62,6 +63,23 @@ class Booter:
         self.squasher = Squasher(storage.layers)
         n = ctx.settings.boot_concurrency or 2 * (os.cpu_count() or 1)
         self._slots = asyncio.Semaphore(n)
+        self._slot_count = n
+        self._queue_limit = ctx.settings.boot_queue or 4 * n
+        self._waiting = 0  # boots waiting for a slot now
+        self._boot_seconds = 1.0  # a running average of how long a slot is held
+
+    def check_queue(self, count: int = 1) -> None:
+        """Refuses (503, `Retry-After`) new sandboxes that would wait behind more boots than
+        the node takes in queue: the caller learns at once, and when to come back, instead
+        of a request that hangs and then half-fails (envd not ready in time)."""
+        if not self._slots.locked() or self._waiting + count <= self._queue_limit:
+            return
+        rounds = (self._waiting + count) / self._slot_count
+        raise Unavailable(
+            f"the node is busy starting sandboxes ({self._waiting} waiting for "
+            f"{self._slot_count} boot slots); try again shortly",
+            retry_after=max(1.0, rounds * self._boot_seconds),
+        )
 
     # ------------------------------------------------------------------ records
     def new_record(
@@ -175,7 +193,12 @@ class Booter:
         spec = self.spec(r)
         inst: Instance | None = None
         with t.stage("queue") if self._slots.locked() else contextlib.nullcontext():
-            await self._slots.acquire()
+            self._waiting += 1
+            try:
+                await self._slots.acquire()
+            finally:
+                self._waiting -= 1
+        held_from = time.monotonic()
         try:
             if image is None:
                 with t.stage("boot"):
@@ -201,6 +224,8 @@ class Booter:
             ) from e
         finally:
             self._slots.release()
+            held = time.monotonic() - held_from
+            self._boot_seconds = 0.8 * self._boot_seconds + 0.2 * held
         if r.retired_layers:  # the new container runs on the squashed stack
             gone = [d for d in r.retired_layers if d not in r.layers]
             await asyncio.to_thread(self.storage.unhold, "sandbox", r.sandbox_id, gone)

@@ -56,6 +56,9 @@ class Forker:
             raise BadRequest(f"count must be between 1 and {MAX_CHILDREN}")
         check_timeout(timeout, self.ctx.settings)
         self.table.get(sandbox_id)
+        # All children or none: refused before the parent is touched when they would not
+        # fit the boot queue; once admitted they queue like any create.
+        self.sandboxes.booter.check_queue(count)
         async with self.table.lock(sandbox_id):
             parent = self.table.get(sandbox_id)
             paused = parent.state is SandboxState.PAUSED
@@ -120,7 +123,7 @@ class Forker:
     async def _child(self, parent: SandboxRecord, req: CreateRequest) -> ForkResult:
         # Children queue for boot slots like any create (Booter.boot).
         try:
-            c = await self.sandboxes.create(req)
+            c = await self.sandboxes.create(req, admitted=True)
         except AenvError as e:
             return ForkResult(error=e)
         except Exception as e:

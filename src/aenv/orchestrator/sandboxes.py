@@ -51,7 +51,11 @@ class Sandboxes:
     storage: SandboxStorage
     volumes: VolumeStore
 
-    async def create(self, req: CreateRequest, timings: Timings | None = None) -> SandboxRecord:
+    async def create(
+        self, req: CreateRequest, timings: Timings | None = None, *, admitted: bool = False
+    ) -> SandboxRecord:
+        """A new running sandbox. `admitted`: the boot queue was checked for it already (a
+        fork's children, all at once)."""
         t = timings or Timings()
         s = self.ctx.settings
         tpl = await self.templates.get(req.template_id)
@@ -76,6 +80,8 @@ class Sandboxes:
             adopted = await self.pool.adopt(warm, req, alias, timeout, t)
             if adopted is not None:
                 return adopted
+        if not admitted:
+            self.booter.check_queue()
         self.check_free_disk()
         self.table.reserve(mem)
         boot = None if mounts else self.boot_snapshots.for_shape(tpl, cpu, mem)
