@@ -173,6 +173,15 @@ class VolumeMount:
     read_only: bool = False
 
 
+@dataclass(frozen=True)
+class Quota:
+    """What one API key's sandboxes may hold on a node at once (None: no limit): sandboxes
+    holding memory (running or frozen) and the sum of their memoryMB."""
+
+    max_sandboxes: int | None = None
+    max_memory_mb: int | None = None
+
+
 @dataclass
 class CreateRequest:
     template_id: str = "base"
@@ -190,6 +199,8 @@ class CreateRequest:
     # The Host header its ports see, `${PORT}` replaced by the port (E2B's maskRequestHost).
     mask_request_host: str | None = None
     volume_mounts: list[MountRequest] = field(default_factory=list)
+    # The name of the API key that asks (its quota applies); None: AENV_API_KEY or the node.
+    owner: str | None = None
 
 
 @dataclass
@@ -239,6 +250,8 @@ class SandboxRecord:
     # only what changed since.
     copied_as: list[str] = field(default_factory=list)
     copied_upper: str | None = None
+    # The API key that created it (a fork child: its parent's), for per-key quotas.
+    owner: str | None = None
 
     @property
     def address(self) -> str | None:

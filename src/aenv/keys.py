@@ -28,11 +28,12 @@ import os
 import re
 import secrets
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .domain import Quota
 from .errors import BadRequest, Conflict, InternalError, NotFound
 from .fsutil import flock, write_private
 
@@ -68,9 +69,13 @@ class ApiKey:
     created: datetime
     salt: bytes
     digest: bytes
+    # What its sandboxes may hold on a node at once (`aenv keys set`); no limits by default.
+    quota: Quota = Quota()
 
     @classmethod
-    def make(cls, name: str, key: str, created: datetime | None = None) -> ApiKey:
+    def make(
+        cls, name: str, key: str, created: datetime | None = None, quota: Quota | None = None
+    ) -> ApiKey:
         salt = secrets.token_bytes(16)
         return cls(
             name=name,
@@ -78,16 +83,23 @@ class ApiKey:
             created=created or datetime.now(UTC),
             salt=salt,
             digest=_digest(salt, key),
+            quota=quota or Quota(),
         )
 
     def matches(self, key: str) -> bool:
         return hmac.compare_digest(_digest(self.salt, key), self.digest)
 
-    def listing(self) -> dict[str, str]:
+    def listing(self) -> dict[str, Any]:
         """The public part (no salt, no hash), as `aenv keys ls -o json` prints it."""
-        return {"name": self.name, "prefix": self.prefix, "created": self.created.isoformat()}
+        return {
+            "name": self.name,
+            "prefix": self.prefix,
+            "created": self.created.isoformat(),
+            "maxSandboxes": self.quota.max_sandboxes,
+            "maxMemoryMB": self.quota.max_memory_mb,
+        }
 
-    def to_json(self) -> dict[str, str]:
+    def to_json(self) -> dict[str, Any]:
         return {**self.listing(), "salt": self.salt.hex(), "sha256": self.digest.hex()}
 
     @classmethod
@@ -98,7 +110,19 @@ class ApiKey:
             created=datetime.fromisoformat(str(data["created"])),
             salt=bytes.fromhex(str(data["salt"])),
             digest=bytes.fromhex(str(data["sha256"])),
+            quota=Quota(
+                max_sandboxes=_limit(data.get("maxSandboxes")),
+                max_memory_mb=_limit(data.get("maxMemoryMB")),
+            ),
         )
+
+
+def _limit(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"a quota must be a whole number >= 0, not {value!r}")
+    return value
 
 
 def check_name(name: str) -> str:
@@ -214,7 +238,7 @@ class KeyStore:
             if st.st_mtime_ns <= old[1]:
                 os.utime(self.path, ns=(st.st_atime_ns, old[1] + 1))
 
-    def create(self, name: str) -> tuple[str, ApiKey]:
+    def create(self, name: str, quota: Quota | None = None) -> tuple[str, ApiKey]:
         """A new random key named `name` (unique): (the key, shown once; its record)."""
         check_name(name)
         with self._locked():
@@ -222,9 +246,28 @@ class KeyStore:
             if any(k.name == name for k in keys):
                 raise Conflict(f"an API key named {name!r} already exists")
             key = new_key()
-            entry = ApiKey.make(name, key)
+            entry = ApiKey.make(name, key, quota=quota)
             self._write([*keys, entry])
         return key, entry
+
+    def set_quota(self, name: str, quota: Quota) -> ApiKey:
+        """Replaces the quota of key `name`; a running server applies it to its next create."""
+        with self._locked():
+            keys = self._current()
+            for i, k in enumerate(keys):
+                if k.name == name:
+                    keys[i] = replace(k, quota=quota)
+                    self._write(keys)
+                    return keys[i]
+        raise NotFound(f"no API key named {name!r}")
+
+    def quota_of(self, name: str) -> Quota | None:
+        """Key `name`'s quota (None: no such key, or one without limits)."""
+        for k in self.entries():
+            if k.name == name:
+                q = k.quota
+                return None if q.max_sandboxes is None and q.max_memory_mb is None else q
+        return None
 
     def remove(self, name: str, *, allow_last: bool = False) -> ApiKey:
         """Revokes `name`. The last key goes only with `allow_last`: after it, only

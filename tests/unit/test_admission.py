@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from aenv.api.app import create_control_app
-from aenv.domain import CreateRequest, SandboxState
-from aenv.errors import Unavailable
+from aenv.domain import CreateRequest, Quota, SandboxState
+from aenv.errors import TooManyRequests, Unavailable
+from aenv.keys import KeyStore
 from tests.node_harness import Harness, started
 
 API_KEY = "admission-test-key-0123456789"
@@ -77,3 +78,37 @@ async def test_a_fork_is_admitted_whole_or_refused_before_the_parent_is_touched(
     await asyncio.gather(*blockers)
     children = await node.orch.fork(parent.sandbox_id, 3)  # 3 children > queue of 1: whole
     assert all(c.error is None for c in children)
+
+
+async def test_a_key_past_its_quota_gets_429_and_others_go_on(node: Harness) -> None:
+    node.runtime.delay = 0.0
+    store = KeyStore.of(node.settings)
+    small, _ = store.create("small", quota=Quota(max_sandboxes=2, max_memory_mb=10_000))
+    other, _ = store.create("other")
+    app = create_control_app(node.settings, node.orch)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://aenv"
+    ) as c:
+
+        async def create(key: str, **body: object) -> httpx.Response:
+            return await c.post(
+                "/sandboxes", json={"templateID": "base", **body}, headers={"X-API-Key": key}
+            )
+
+        made = [await create(small), await create(small)]
+        assert [r.status_code for r in made] == [201, 201]
+        r = await create(small)
+        assert r.status_code == 429 and "'small' already runs 2" in r.json()["message"]
+        assert (await create(other)).status_code == 201  # another key is not held back
+        # Paused files-only, a sandbox holds no memory: it no longer counts.
+        sid = made[0].json()["sandboxID"]
+        await node.orch.pause(sid, memory=False)
+        assert (await create(small)).status_code == 201
+        # A fork counts its children; the memory limit counts memoryMB.
+        parent = made[1].json()["sandboxID"]
+        with pytest.raises(TooManyRequests):
+            await node.orch.fork(parent, 1)
+        store.set_quota("small", Quota(max_memory_mb=1024 + 256))  # no restart needed
+        r = await create(small, memoryMB=512)
+        assert r.status_code == 429 and "MiB" in r.json()["message"]
+        assert len([x for x in node.orch.list() if x.owner == "small"]) == 3

@@ -177,6 +177,9 @@ class FakeOrchestrator:
     async def expose(self, sandbox_id: str, port: int) -> bool:
         return False
 
+    def use_quotas(self, quotas: Callable[[str], object]) -> None:
+        self.quotas = quotas
+
     def on_sandbox_stopped(self, listener: Callable[[str], None]) -> None:
         pass
 

@@ -38,7 +38,7 @@ def test_create_verify_list(store: KeyStore) -> None:
     assert store.verify(key[:-1] + ("0" if key[-1] != "0" else "1")) is None
     assert store.verify("") is None
     assert [k.listing() for k in store.entries()] == [entry.listing()]
-    assert set(entry.listing()) == {"name", "prefix", "created"}
+    assert set(entry.listing()) == {"name", "prefix", "created", "maxSandboxes", "maxMemoryMB"}
 
 
 def test_file_holds_hashes_only_and_is_private(store: KeyStore) -> None:

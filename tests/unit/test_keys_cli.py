@@ -71,7 +71,30 @@ def test_ls_table_and_json(cli: CliRunner) -> None:
     assert keys["a"][:10] + "…" in rows[0] and keys["a"] not in table
     items = json.loads(cli.invoke(app, ["keys", "ls", "-o", "json"]).stdout)
     assert [i["name"] for i in items] == ["a", "b"]
-    assert set(items[0]) == {"name", "prefix", "created"}
+    assert set(items[0]) == {"name", "prefix", "created", "maxSandboxes", "maxMemoryMB"}
+    assert items[0]["maxSandboxes"] is None  # no limits unless given
+
+
+def test_quotas_are_set_with_the_key_and_changed_later(cli: CliRunner, home: Path) -> None:
+    res = cli.invoke(
+        app, ["keys", "create", "rl", "--max-sandboxes", "200", "--max-memory", "4096"]
+    )
+    assert res.exit_code == 0, res.output
+    store = KeyStore(home / "secrets" / "api-keys.json")
+    quota = store.quota_of("rl")
+    assert quota is not None and (quota.max_sandboxes, quota.max_memory_mb) == (200, 4096)
+    assert "200 sandboxes, 4096 MiB" in cli.invoke(app, ["keys", "ls"]).stdout
+    res = cli.invoke(app, ["keys", "set", "rl", "--max-sandboxes", "50"])
+    assert res.exit_code == 0 and "50 sandboxes, 4096 MiB" in res.stderr
+    res = cli.invoke(app, ["keys", "set", "rl", "--max-sandboxes", "0", "--max-memory", "0"])
+    assert res.exit_code == 0 and "no limits" in res.stderr
+    assert store.quota_of("rl") is None
+    res = cli.invoke(app, ["keys", "set", "nobody", "--max-sandboxes", "1"])
+    assert res.exit_code == 1 and _error_line(res.stderr) == "aenv: no API key named 'nobody'"
+    res = cli.invoke(app, ["keys", "set", "rl"])
+    assert res.exit_code == 1 and "nothing to set" in _error_line(res.stderr)
+    res = cli.invoke(app, ["keys", "create", "bad", "--max-sandboxes", "-1"])
+    assert res.exit_code != 0
 
 
 def test_rm_and_its_errors(cli: CliRunner) -> None:

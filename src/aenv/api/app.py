@@ -73,7 +73,8 @@ def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAP
     app.state.settings = settings
     app.state.orchestrator = orchestrator
     app.state.idempotency = IdempotencyCache()
-    app.state.api_keys = KeyStore.of(settings)
+    app.state.api_keys = keys = KeyStore.of(settings)
+    orchestrator.use_quotas(keys.quota_of)
     install_error_handlers(app)
     # Build contexts and volume files stream to disk; every other body is small JSON.
     app.add_middleware(

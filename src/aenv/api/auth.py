@@ -38,16 +38,27 @@ def presented_key(headers: Headers) -> str:
     return values[0]
 
 
-def check_api_key(key: str, store: KeyStore, fixed: str | None) -> None:
-    """Raises Unauthorized unless `key` is a stored key or `fixed` (AENV_API_KEY)."""
+def check_api_key(key: str, store: KeyStore, fixed: str | None) -> str | None:
+    """The name of the stored key `key` is (None for `fixed`, AENV_API_KEY); Unauthorized
+    when it is neither."""
     # Both checks always run, so timing does not tell a stored key from the fixed one.
-    stored = store.verify(key) is not None
+    stored = store.verify(key)
     is_fixed = fixed is not None and hmac.compare_digest(key.encode(), fixed.encode())
-    if not key or not (stored or is_fixed):
+    if not key or not (stored is not None or is_fixed):
         raise Unauthorized("Invalid API key")
+    return stored.name if stored is not None else None
 
 
 async def require_api_key(request: Request) -> None:
     settings: Settings = request.app.state.settings
     store: KeyStore = request.app.state.api_keys
-    check_api_key(presented_key(request.headers), store, settings.api_key)
+    # Its quota applies to what the request creates (`key_name`).
+    request.state.api_key_name = check_api_key(
+        presented_key(request.headers), store, settings.api_key
+    )
+
+
+def key_name(request: Request) -> str | None:
+    """The named key that authenticated the request (None: AENV_API_KEY)."""
+    name: str | None = getattr(request.state, "api_key_name", None)
+    return name

@@ -272,6 +272,7 @@ node_app.command("undrain")(nodes.node_undrain)
 
 app.add_typer(keys_app, name="keys", rich_help_panel=SETUP)
 keys_app.command("create")(keys.keys_create)
+keys_app.command("set")(keys.keys_set)
 keys_app.command("ls")(keys.keys_ls)
 keys_app.command("rm")(keys.keys_rm)
 

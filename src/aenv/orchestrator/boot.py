@@ -118,6 +118,7 @@ class Booter:
             egress=replace(req.egress),
             traffic_access_token=traffic_token(req),
             mask_request_host=req.mask_request_host,
+            owner=req.owner,
             layers=list(template.layers if layers is None else layers),
             upper=str(self.storage.first_upper(sandbox_id)),
             boot=template.boot_info(),

@@ -40,6 +40,7 @@ from ..domain import (
     LIVE_STATES,
     CreateRequest,
     EgressPolicy,
+    Quota,
     SandboxRecord,
     SandboxState,
     TemplateRecord,
@@ -296,6 +297,11 @@ class Orchestrator:
                 if hmac.compare_digest(mine.encode(), want):
                     return r.sandbox_id
         return None
+
+    def use_quotas(self, quotas: Callable[[str], Quota | None]) -> None:
+        """`quotas(key name)`: what an API key's sandboxes may hold (`aenv keys set`); the
+        API gives its key store's."""
+        self._table.quotas = quotas
 
     def on_sandbox_stopped(self, listener: Callable[[str], None]) -> None:
         """`listener(sandbox_id)` runs whenever a sandbox's processes end."""

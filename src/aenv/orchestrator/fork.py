@@ -59,6 +59,8 @@ class Forker:
         # All children or none: refused before the parent is touched when they would not
         # fit the boot queue; once admitted they queue like any create.
         self.sandboxes.booter.check_queue(count)
+        first = self.table.get(sandbox_id)
+        self.table.check_quota(first.owner, first.memory_mb, count)
         async with self.table.lock(sandbox_id):
             parent = self.table.get(sandbox_id)
             paused = parent.state is SandboxState.PAUSED
@@ -101,6 +103,7 @@ class Forker:
                 egress=replace(parent.egress),
                 public_traffic=not parent.traffic_access_token,
                 mask_request_host=parent.mask_request_host,
+                owner=parent.owner,
             )
             with t.stage("children"):
                 # The children restore from the snapshot while the parent does (under its

@@ -55,6 +55,7 @@ class WarmPool:
         self.refill(delay=REFILL_DELAY)
         w.alias = alias
         w.metadata = dict(req.metadata)
+        w.owner = req.owner
         w.env_vars = dict(req.env_vars)
         held, w.envd_access_token = w.envd_access_token, envd_token()
         w.auto_pause, w.auto_pause_memory = req.auto_pause, req.auto_pause_memory

@@ -70,6 +70,8 @@ class Sandboxes:
         else:
             cpu = req.cpu_count or tpl.cpu_count or s.default_cpu_count
             mem = req.memory_mb or tpl.memory_mb or s.default_memory_mb
+        if not admitted:
+            self.table.check_quota(req.owner, mem)
         names = tpl.names
         alias = req.template_id if req.template_id in names else (names[0] if names else None)
         mounts = await self._mounts(tpl, req)

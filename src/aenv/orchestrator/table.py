@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+from collections.abc import Callable
 
-from ..domain import HOLDS_MEMORY, LIVE_STATES, SandboxRecord, SandboxState
+from ..domain import HOLDS_MEMORY, LIVE_STATES, Quota, SandboxRecord, SandboxState
 from ..errors import NotFound, TooManyRequests, Unavailable
 from .catalog import Catalog
 
@@ -21,6 +22,8 @@ class SandboxTable:
         self.max_sandboxes = max_sandboxes
         self._records: dict[str, SandboxRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        # An API key's quota by its name (the API sets it from its key store); no limits.
+        self.quotas: Callable[[str], Quota | None] = lambda _owner: None
 
     def add(self, r: SandboxRecord) -> None:
         self._records[r.sandbox_id] = r
@@ -87,6 +90,25 @@ class SandboxTable:
 
     def memory_in_use(self) -> int:
         return sum(r.memory_mb for r in self._records.values() if r.state in HOLDS_MEMORY)
+
+    def check_quota(self, owner: str | None, memory_mb: int, count: int = 1) -> None:
+        """Refuses (429) `count` more sandboxes of `memory_mb` each for the API key `owner`
+        past its quota (`quotas(owner)`: set from the key store by the API)."""
+        quota = self.quotas(owner) if owner is not None else None
+        if quota is None:
+            return
+        mine = [r for r in self._records.values() if r.owner == owner and r.state in HOLDS_MEMORY]
+        if quota.max_sandboxes is not None and len(mine) + count > quota.max_sandboxes:
+            raise TooManyRequests(
+                f"API key {owner!r} already runs {len(mine)} of its maximum of "
+                f"{quota.max_sandboxes} concurrent sandboxes; kill or pause one and try again"
+            )
+        used = sum(r.memory_mb for r in mine)
+        if quota.max_memory_mb is not None and used + count * memory_mb > quota.max_memory_mb:
+            raise TooManyRequests(
+                f"API key {owner!r} holds {used} MiB of its maximum of {quota.max_memory_mb} "
+                f"MiB of sandbox memory; {count * memory_mb} MiB more do not fit"
+            )
 
     def reserve(self, memory_mb: int) -> None:
         """Admission: refuses a sandbox the memory budget cannot hold. The caller adds its

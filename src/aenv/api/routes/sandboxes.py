@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Header, Query, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from pydantic import BeforeValidator
 
 from aenv.config import Settings
@@ -18,7 +18,7 @@ from aenv.errors import Conflict, NotFound
 from aenv.orchestrator import Orchestrator
 from aenv.orchestrator.context import check_timeout
 
-from ..auth import require_api_key
+from ..auth import key_name, require_api_key
 from ..deps import IdempotencyDep, OrchestratorDep, SettingsDep
 from ..idempotency import IdempotencyCache, validate_key
 from ..listing import Cursor, aware, paginate, parse_metadata_filter, parse_states, rfc3339
@@ -84,6 +84,7 @@ async def _create(
     body: NewSandboxV2,
     *,
     key: str | None,
+    owner: str | None,
     response: Response,
     orchestrator: Orchestrator,
     settings: Settings,
@@ -106,6 +107,7 @@ async def _create(
         public_traffic=network.allow_public_traffic is not False,
         mask_request_host=network.mask_request_host or None,
         volume_mounts=[MountRequest(v.name, v.path, v.read_only) for v in body.volume_mounts or []],
+        owner=owner,
     )
 
     async def create() -> tuple[Sandbox, str]:
@@ -128,6 +130,7 @@ IdempotencyKey = Annotated[
 @router.post("/sandboxes", status_code=201, summary="Create a sandbox (v1)")
 async def create_sandbox_v1(
     body: NewSandbox,
+    request: Request,
     response: Response,
     orchestrator: OrchestratorDep,
     settings: SettingsDep,
@@ -138,6 +141,7 @@ async def create_sandbox_v1(
     return await _create(
         body,
         key=idempotency_key,
+        owner=key_name(request),
         response=response,
         orchestrator=orchestrator,
         settings=settings,
@@ -148,6 +152,7 @@ async def create_sandbox_v1(
 @router.post("/v2/sandboxes", status_code=201, summary="Create a sandbox")
 async def create_sandbox_v2(
     body: NewSandboxV2,
+    request: Request,
     response: Response,
     orchestrator: OrchestratorDep,
     settings: SettingsDep,
@@ -157,6 +162,7 @@ async def create_sandbox_v2(
     return await _create(
         body,
         key=idempotency_key,
+        owner=key_name(request),
         response=response,
         orchestrator=orchestrator,
         settings=settings,
