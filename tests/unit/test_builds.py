@@ -368,6 +368,9 @@ class _Orch:
     def list(self, **_: Any) -> list[Any]:
         return []
 
+    def use_quotas(self, quotas: Any) -> None:
+        pass
+
     async def find_template(self, id_or_name: str) -> TemplateRecord | None:
         return await asyncio.to_thread(self.catalog.template, id_or_name)
 
