@@ -178,3 +178,44 @@ def test_a_sandbox_whose_runtime_dies_is_reported_and_released(
     assert not Path(server.home / "rw" / sbx.sandbox_id).exists()
     with httpx.Client(base_url=server.url, headers={"X-API-Key": server.api_key}) as c:
         assert c.get("/health").is_success
+
+
+# One allocation far past the sandbox (512 MiB); several processes that together pass it.
+HUGE = "python3 -c 'b = bytearray(6 << 30); b[::4096] = bytes(len(b[::4096])); print(len(b))'"
+MANY = (
+    "for i in 1 2 3 4 5 6; do python3 -c '\n"
+    "import time\n"
+    "b = bytearray(120 << 20)\n"
+    'b[::4096] = b"x" * len(b[::4096])\n'
+    "time.sleep(30)' & done; wait; echo done"
+)
+
+
+def test_a_process_past_the_sandbox_memory_is_killed_inside(
+    server: Server, sandboxes: list[object]
+) -> None:
+    """As a VM's kernel would: the process dies, the sandbox, its other processes and envd
+    go on, and the kill is in the sandbox's logs and the node's counter."""
+    s = Sandbox.create(template="base", timeout=300)
+    sandboxes.append(s)
+    keeper = s.commands.run("sleep 600", background=True)
+    r = s.commands.run(f"{HUGE}; echo exit=$?", timeout=120)
+    assert int(re.findall(r"exit=(\d+)", r.stdout)[-1]) != 0
+    assert str(6 << 30) not in r.stdout
+    still_answer(server, s)
+    r = s.commands.run(f"{MANY}; echo exit=$?", timeout=120)
+    assert "done" in r.stdout
+    still_answer(server, s)
+    # /dev/shm is a small tmpfs: a fill is refused there (ENOSPC), nothing is killed.
+    r = s.commands.run("dd if=/dev/zero of=/dev/shm/fill bs=1M count=1024; echo exit=$?")
+    assert int(re.findall(r"exit=(\d+)", r.stdout)[-1]) != 0
+    still_answer(server, s)
+    # The other process lived through all of it.
+    assert keeper.pid in [p.pid for p in s.commands.list()]
+    keeper.kill()
+    with server.client() as c:
+        logs = c.get(f"/v2/sandboxes/{s.sandbox_id}/logs").json()["logs"]
+        metrics = c.get("/metrics").text
+    kills = [e for e in logs if e["message"] == "process killed: out of memory"]
+    assert kills and any("bytearray" in e["fields"].get("cmd", "") for e in kills)
+    assert re.search(r"^aenv_sandbox_oom_kills_total [1-9]", metrics, re.M)

@@ -530,7 +530,8 @@ async def test_signed_file_urls_go_to_the_sandbox_that_signed(env: Env) -> None:
 
 
 @pytest.mark.parametrize(
-    "path", ["/init", "/init/", "/%69nit", "/envs", "/metrics", "/logs", "/forward", "/proxy/init"]
+    "path",
+    ["/init", "/init/", "/%69nit", "/envs", "/metrics", "/logs", "/forward", "/oom", "/proxy/init"],
 )
 async def test_envd_internal_routes_are_refused(env: Env, path: str) -> None:
     before = len(env.resolved)

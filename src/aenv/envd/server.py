@@ -175,6 +175,14 @@ class App:
 
             await resp.send_json(200, await collect())
             return
+        if path == "/oom":
+            if m != "POST":
+                raise HTTPError(405, "method not allowed")
+            self.http_auth(req)
+            from .oomkill import kill_largest
+
+            await resp.send_json(200, kill_largest())
+            return
         if path == "/forward":
             if m != "POST":
                 raise HTTPError(405, "method not allowed")

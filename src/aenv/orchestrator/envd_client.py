@@ -105,6 +105,17 @@ class EnvdClient:
             raise RuntimeFailure("envd /logs answered something other than an object")
         return body
 
+    async def kill_largest(self, host: str, port: int, *, token: str) -> dict[str, Any] | None:
+        """Has envd kill the sandbox's largest process (`envd/oomkill.py`); what it was, or
+        None when there was none to kill."""
+        resp = await self._http.post(
+            f"http://{host}:{port}/oom", headers=auth_headers(token or None), timeout=5.0
+        )
+        if resp.status_code >= 300:
+            raise RuntimeFailure(f"envd /oom failed: {resp.status_code} {resp.text[:200]}")
+        killed = resp.json().get("killed")
+        return killed if isinstance(killed, dict) else None
+
     async def forward(self, host: str, port: int, *, token: str, target: int) -> bool:
         """Asks envd to make loopback-only port `target` reachable (`envd/portfwd.py`);
         whether it now is."""

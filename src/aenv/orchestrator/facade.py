@@ -14,6 +14,7 @@ It composes the parts, each with one job, and only delegates:
     SandboxMetrics  sampled CPU/memory/disk per sandbox           (metrics.py)
     SandboxLogs     node events + envd's journal per sandbox      (logs.py)
     IdleTracker     naps of idle sandboxes                        (idle.py)
+    OomGuard        a process killed inside at the memory limit   (oom.py)
     NodeStats       node view, operation counters, Prometheus     (nodeinfo.py)
     VolumeStore     volumes and their files                       (aenv.volumes)
     Mover           drain, release, adopt (cluster)               (moving.py)
@@ -68,6 +69,7 @@ from .metrics import SAMPLE_SECONDS, MetricSample, SandboxMetrics
 from .moving import DrainResult, Mover
 from .node import Node
 from .nodeinfo import NodeInfo, NodeStats
+from .oom import OomGuard
 from .pausing import Pauser
 from .pool import WarmPool
 from .recovery import Recovery
@@ -134,6 +136,7 @@ class Orchestrator:
             table, settings.home, lambda: ctx.closing or ctx.draining, self._cache_sizes(durable)
         )
         self._stats.node_id = settings.cluster_node_id
+        OomGuard(ctx, table, runtime, envd, self._logs, self._stats)
         self._mover = Mover(ctx, table, booter, pauser, templates, storage)
         self._stats.service_instance_id = ctx.run_id
         self._sampler: asyncio.Task[None] | None = None

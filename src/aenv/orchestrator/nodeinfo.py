@@ -108,6 +108,11 @@ class NodeStats:
             ["op", "code"],
             registry=r,
         )
+        self.oom_kills = Counter(
+            "aenv_sandbox_oom_kills",
+            "Processes killed inside sandboxes that used more memory than their size",
+            registry=r,
+        )
         self._by_state = Gauge("aenv_sandboxes", "Sandboxes on the node", ["state"], registry=r)
         self._mem = Gauge(
             "aenv_memory_allocated_bytes", "memoryMB of sandboxes holding memory", registry=r

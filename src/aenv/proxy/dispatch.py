@@ -67,8 +67,8 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = ENVD_PORT
 # envd routes only the node calls, refused from outside as E2B's proxy does: `/init` re-keys
 # a sandbox (token, environment, user), `/envs`, `/metrics` and `/logs` read its state,
-# `/forward` opens a port forward.
-INTERNAL_ENVD_PATHS = frozenset({"/init", "/envs", "/metrics", "/logs", "/forward"})
+# `/forward` opens a port forward, `/oom` kills the sandbox's largest process.
+INTERNAL_ENVD_PATHS = frozenset({"/init", "/envs", "/metrics", "/logs", "/forward", "/oom"})
 # (sandbox id, port, the client's traffic token or None) -> where to send the request.
 Resolver = Callable[[str, int, str | None], Awaitable[Upstream]]
 # (path, "read"|"write", username, signature, expiration or None) -> the sandbox that signed.

@@ -12,6 +12,7 @@ it back; `data` is the backend's own and means nothing to anyone else.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,6 +137,12 @@ class Runtime(abc.ABC):
     async def exit_cause(self, inst: Instance) -> str | None:
         """Why an instance that is no longer `alive` ended, when the backend can tell (say
         the host killed it at its memory limit); None when it cannot."""
+        return None
+
+    def on_memory_pressure(self, listener: Callable[[Instance], None]) -> None:
+        """`listener(instance)` runs when a running sandbox uses more memory than its size
+        (see `runtime/memguard.py`): the caller has a process inside killed before the
+        host's OOM killer ends the whole sandbox. A backend that cannot tell never calls it."""
         return None
 
     async def nap(self, inst: Instance, on: bool) -> None:

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from aenv.runtime.gvisor.container import OVERLAY_MEMORY, Container
 from aenv.runtime.gvisor.processes import Processes
 from aenv.runtime.gvisor.reconcile import Reconciler
 from aenv.runtime.gvisor.stats import StatsReader, exit_cause
+from aenv.runtime.memguard import MemoryGuard
 from aenv.runtime.network import Network, Slot, SlotAddressing, SlotPool
 from aenv.runtime.rootfs import RootfsMounts
 from aenv.runtime.runsc import Runsc, gather_quiet
@@ -66,6 +67,9 @@ class GVisorRuntime(Runtime):
         self._reaper: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._started = False
+        # Set by `on_memory_pressure`: then every running container is guarded.
+        self._memguard: MemoryGuard | None = None
+        self._pressure: Callable[[Instance], None] | None = None
 
     # Lifecycle of the backend ------------------------------------------------------------
 
@@ -83,6 +87,8 @@ class GVisorRuntime(Runtime):
         recovered = await self.reconciler.recover(keep, self._spawn)
         for c in recovered.values():
             c.cgroup = c.cgroup or self.procs.cgroup(c.id)
+            if not c.stopped:
+                self._guard(c)
         self._live = dict(recovered)
         self.pool.start(reserved={c.slot for c in recovered.values()})
         if self._subreaper and self._reaper is None:
@@ -92,6 +98,8 @@ class GVisorRuntime(Runtime):
 
     async def close(self) -> None:
         self._started = False
+        if self._memguard is not None:
+            self._memguard.close()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -221,6 +229,7 @@ class GVisorRuntime(Runtime):
                 self._busy.discard(held.id)
         if held is not None and held.id != cid:
             self._spawn(self._discard_container(held))
+        self._guard(c)
         log.info(
             "%s %s in slot %d at %s%s: %.0f ms (runsc %.0f ms)",
             "restored" if image_dir else "created",
@@ -344,6 +353,7 @@ class GVisorRuntime(Runtime):
         if cid in self._busy:
             raise RuntimeFailure(f"container {cid} is busy")
         self._busy.add(cid)
+        self._unguard(cid)
         t0 = time.perf_counter()
         try:
             # After a checkpoint the sandbox exits by itself; its `runsc delete` is left to
@@ -380,6 +390,7 @@ class GVisorRuntime(Runtime):
         owned = held is not None
         c = held if held is not None else self._parse(inst)
         self._destroying.add(cid)
+        self._unguard(cid)
         if not c.stopped:
             try:
                 self.procs.kill_sandbox(c)
@@ -450,11 +461,30 @@ class GVisorRuntime(Runtime):
         )
         if not leave_running:
             # The sandbox exits, though `runsc state` may still say running for a while.
+            self._unguard(c.id)
             c.checkpointed = True
             c.write_to(inst)
         log.info(
             "checkpointed %s to %s in %.0f ms", c.id, image_dir, (time.perf_counter() - t0) * 1000
         )
+
+    def on_memory_pressure(self, listener: Callable[[Instance], None]) -> None:
+        self._pressure = listener
+        if self._memguard is None:
+            self._memguard = MemoryGuard(self._pressed)
+
+    def _pressed(self, cid: str) -> None:
+        c = self._live.get(cid)
+        if c is not None and self._pressure is not None and not c.stopped:
+            self._pressure(c.handle())
+
+    def _guard(self, c: Container) -> None:
+        if self._memguard is not None and c.cgroup:
+            self._memguard.arm(c.id, c.cgroup, c.memory_mb * 1024 * 1024)
+
+    def _unguard(self, cid: str) -> None:
+        if self._memguard is not None:
+            self._memguard.disarm(cid)
 
     async def nap(self, inst: Instance, on: bool) -> None:
         c = self._view(inst)

@@ -1,0 +1,84 @@
+"""A sandbox over its memory loses a process, not its life: the runtime says when a running
+sandbox uses more memory than its size (`Runtime.on_memory_pressure`, see
+`runtime/memguard.py`), and envd inside kills the largest process (`envd/oomkill.py`), as a
+VM's kernel would. The kill is recorded: the sandbox's logs ("process killed: out of
+memory", with the process and its memory) and the node's `aenv_sandbox_oom_kills` counter."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+
+from ..domain import ENVD_PORT, SandboxState
+from ..errors import AenvError
+from ..logctx import sandbox_context
+from ..runtime.base import Instance, Runtime
+from .context import NodeContext
+from .envd_client import EnvdClient
+from .logs import SandboxLogs
+from .nodeinfo import NodeStats
+from .table import SandboxTable
+
+log = logging.getLogger("aenv.orchestrator")
+
+
+class OomGuard:
+    def __init__(
+        self,
+        ctx: NodeContext,
+        table: SandboxTable,
+        runtime: Runtime,
+        envd: EnvdClient,
+        logs: SandboxLogs,
+        stats: NodeStats,
+    ) -> None:
+        self.ctx, self.table, self.envd, self.logs, self.stats = ctx, table, envd, logs, stats
+        self._busy: set[str] = set()  # sandboxes with a kill in flight
+        runtime.on_memory_pressure(self.pressed)
+
+    def pressed(self, inst: Instance) -> None:
+        """(In the event loop, from the runtime.) One kill at a time per sandbox: the events
+        of one allocation come in bursts."""
+        if inst.sandbox_id in self._busy:
+            return
+        self._busy.add(inst.sandbox_id)
+        self.ctx.spawn(self._kill(inst), name="aenv-oom")
+
+    async def _kill(self, inst: Instance) -> None:
+        sid = inst.sandbox_id
+        try:
+            with sandbox_context(sid):
+                r = self.table.find(sid)
+                if r is None or r.state is not SandboxState.RUNNING or r.instance is None:
+                    return
+                if r.instance.id != inst.id or r.address is None:
+                    return
+                try:
+                    killed = await self.envd.kill_largest(
+                        r.address, ENVD_PORT, token=r.envd_access_token
+                    )
+                except (AenvError, httpx.HTTPError, ValueError) as e:
+                    log.warning("sandbox %s is out of memory; envd could not kill: %s", sid, e)
+                    return
+                if killed is None:
+                    return
+                self.stats.oom_kills.inc()
+                log.info(
+                    "sandbox %s out of memory: killed pid %s (%s, %d MiB)",
+                    sid,
+                    killed.get("pid"),
+                    killed.get("cmd"),
+                    int(killed.get("rss_bytes") or 0) >> 20,
+                )
+                self.logs.note(
+                    sid,
+                    "process killed: out of memory",
+                    level="warn",
+                    pid=killed.get("pid"),
+                    cmd=killed.get("cmd"),
+                    rssBytes=killed.get("rss_bytes"),
+                    memoryMB=r.memory_mb,
+                )
+        finally:
+            self._busy.discard(sid)
