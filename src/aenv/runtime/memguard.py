@@ -11,8 +11,9 @@ So, per running container, on cgroup v1 (this host's; without it nothing changes
 * the cgroup's hard limit is raised from the sandbox's size to size + headroom
   (max(128 MiB, size / 4)), after runsc started it at the size (which gVisor reports as RAM);
 * an eventfd fires when the usage crosses the size (`cgroup.event_control` threshold on
-  `memory.usage_in_bytes`): the listener is told, and the node has envd kill the largest
-  process inside (`envd/oomkill.py`);
+  `memory.usage_in_bytes`): unless what it passed by is page cache the kernel can drop,
+  the listener is told, and the node has envd kill the largest process inside
+  (`envd/oomkill.py`);
 * the kernel's OOM killer is switched off for the cgroup (`memory.oom_control`) and an
   eventfd fires when the cgroup is out of memory: its tasks then wait instead of dying, so
   the limit is raised by RESCUE_BYTES (envd needs room to do the kill) and the listener told
@@ -126,9 +127,13 @@ class MemoryGuard:
             return
         try:
             usage = int((g.dir / "memory.usage_in_bytes").read_text())
+            stat = (g.dir / "memory.stat").read_text()
         except (OSError, ValueError):
             return
-        if usage >= g.size:  # (thresholds fire on the way down too)
+        # Page cache the kernel can drop is not the sandbox's: a sandbox that read many
+        # files is not out of memory (and if it gets there, the OOM event says so).
+        # Thresholds fire on the way down too.
+        if usage - _stat(stat, "total_inactive_file") >= g.size:
             self._tell(g.cid)
 
     def _out_of_memory(self, g: _Guard) -> None:
@@ -156,6 +161,14 @@ class MemoryGuard:
             self.on_pressure(cid)
         except Exception:
             log.exception("memory pressure listener")
+
+
+def _stat(text: str, key: str) -> int:
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return 0
 
 
 def _write(path: Path, value: int) -> None:
