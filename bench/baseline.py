@@ -213,7 +213,7 @@ class RawRunsc:
             upper.mkdir(parents=True)
         return Ctr(cid, bundle, slot, memory_mb, upper)
 
-    def _copy_upper(self, upper: Path) -> Path:
+    def copy_upper(self, upper: Path) -> Path:
         """A copy of a container's upper dir (whiteouts and xattrs kept), for another."""
         dest = self.root / "rw" / f"copy-{secrets.token_hex(6)}" / "upper"
         dest.parent.mkdir(parents=True)
@@ -277,7 +277,7 @@ class RawRunsc:
             raise BenchError(f"runsc {what}: {exc}") from None
         return _ms(t0)
 
-    def _image(self) -> Path:
+    def image(self) -> Path:
         path = self.root / "images" / secrets.token_hex(6)
         path.mkdir(parents=True)
         return path
@@ -428,9 +428,9 @@ class RawRunsc:
                 self.progress.step("baseline snapshot", p.snapshot)
 
                 async def snap(_i: int) -> tuple[float, dict[str, float]]:
-                    image = await asyncio.to_thread(self._image)
+                    image = await asyncio.to_thread(self.image)
                     try:
-                        ms = await self._checkpoint(ctr, image, leave_running=True)
+                        ms = await self.checkpoint(ctr, image, leave_running=True)
                     finally:
                         await asyncio.to_thread(shutil.rmtree, image, True)
                     await self.exec(ctr)
@@ -440,7 +440,7 @@ class RawRunsc:
         finally:
             await self.destroy(ctr)
 
-    async def _checkpoint(self, ctr: Ctr, image: Path, *, leave_running: bool) -> float:
+    async def checkpoint(self, ctr: Ctr, image: Path, *, leave_running: bool) -> float:
         return await self._op(
             "checkpoint",
             lambda: self.runsc.checkpoint(
@@ -456,9 +456,9 @@ class RawRunsc:
 
         async def one(_i: int) -> None:
             old = state["ctr"]
-            image = await asyncio.to_thread(self._image)
+            image = await asyncio.to_thread(self.image)
             try:
-                hibernated = await self._checkpoint(old, image, leave_running=False)
+                hibernated = await self.checkpoint(old, image, leave_running=False)
                 self.results.add("hibernate", hibernated, baseline=True)
                 await self.destroy(old)
                 slot = await self.slot()
@@ -483,10 +483,10 @@ class RawRunsc:
 
         async def one(_i: int) -> tuple[float, dict[str, float]]:
             ctr = await self.fresh(DIRTY_MEMORY_MB)
-            image = await asyncio.to_thread(self._image)
+            image = await asyncio.to_thread(self.image)
             try:
                 wrote = await self.exec(ctr, command, time_limit=600)
-                ms = await self._checkpoint(ctr, image, leave_running=True)
+                ms = await self.checkpoint(ctr, image, leave_running=True)
             finally:
                 await self.destroy(ctr)
                 await asyncio.to_thread(shutil.rmtree, image, True)
@@ -503,20 +503,20 @@ class RawRunsc:
 
         async def one(_i: int) -> tuple[float, dict[str, float]]:
             slots = await self.slots(n)
-            image = await asyncio.to_thread(self._image)
+            image = await asyncio.to_thread(self.image)
             children: list[Ctr] = []
 
             async def child(slot: Slot) -> None:
                 # The source's files as they were (a restore reopens what was open, some of
                 # it written since boot), as a fork's child gets them.
-                upper = await asyncio.to_thread(self._copy_upper, source.upper)
+                upper = await asyncio.to_thread(self.copy_upper, source.upper)
                 ctr, _ = await self.launch(slot, source.memory_mb, image=image, upper=upper)
                 children.append(ctr)
                 await self.exec(ctr)
 
             try:
                 t0 = time.perf_counter()
-                ckpt = await self._checkpoint(source, image, leave_running=True)
+                ckpt = await self.checkpoint(source, image, leave_running=True)
                 got = await asyncio.gather(*(child(s) for s in slots), return_exceptions=True)
                 total = _ms(t0)
             finally:

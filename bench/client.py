@@ -175,10 +175,10 @@ class Api:
         return resp.status_code < 300
 
     async def create(
-        self, *, memory_mb: int | None = None, timeout_s: int = 600
+        self, *, memory_mb: int | None = None, timeout_s: int = 600, template: str = TEMPLATE
     ) -> tuple[Sbx, Timed]:
         body: dict[str, Any] = {
-            "templateID": TEMPLATE,
+            "templateID": template,
             "timeout": timeout_s,
             "metadata": self.metadata,
             "envVars": {},

@@ -21,9 +21,12 @@ from urllib.parse import urlsplit
 
 from .baseline import RawRunsc
 from .client import Api, BenchError
+from .cpu import CpuMeter
 from .machine import machine_info
 from .plan import NullProgress, Plan, Progress
 from .report import REQUIRED
+from .rollouts import ServerRollouts
+from .rollouts_raw import RawRollouts
 from .scenarios import ServerRows
 from .scenarios_lifecycle import RUNNING_ROWS
 from .server import BenchServer, build_base, remove_home
@@ -49,6 +52,9 @@ POPULATED_ROWS = [
     "idle_node_mc",
     "idle_sandbox_mc",
 ]
+ROLLOUT_ROWS = [
+    f"rollout_{kind}_{n}" for n in (1, 8, 32) for kind in ("cpu_s", "rate", "health_p99")
+]
 MAIN_ROWS = [
     "create_to_first_exec",
     *RUNNING_ROWS,
@@ -56,6 +62,7 @@ MAIN_ROWS = [
     *CMDS_ROWS,
     *FORK_ROWS,
     *CONCURRENT_ROWS,
+    *ROLLOUT_ROWS,
     *POPULATED_ROWS,
 ]
 COLD_ROWS = ["create_to_first_exec_cold", "hibernate", "resume_from_disk"]
@@ -209,6 +216,14 @@ class Run:
             await self.guard(CMDS_ROWS, "snapshot_after_1000_cmds", sr.cmds_snapshot)
             await self.guard(FORK_ROWS, "fork", sr.fork_rows)
             await self.guard(CONCURRENT_ROWS, "concurrent create", sr.concurrent_rows)
+            if any(self.want(r) for r in ROLLOUT_ROWS):
+                url = server.url if server is not None else self.opts.url or ""
+                meter = CpuMeter(
+                    server.env["AENV_NET_PREFIX"] if server is not None else "aenv",
+                    server.proc.pid if server is not None and server.proc else None,
+                )
+                rollouts = ServerRollouts(api, url, self.results, self.plan, self.progress, meter)
+                await self.guard(ROLLOUT_ROWS, "rollouts", rollouts.run)
             await self.guard(POPULATED_ROWS, "populated node", sr.populated_rows)
         finally:
             await sr.drain()
@@ -278,6 +293,8 @@ class Run:
             await raw.setup()
             self.progress.advance()
             await raw.run_all()
+            if any(self.want(r) for r in ROLLOUT_ROWS):
+                await RawRollouts(raw).run()
         except BenchError as exc:
             self.progress.log(f"baseline: {exc}")
             self.results.missing(

@@ -12,7 +12,7 @@ from pathlib import Path
 STAT = Path("/proc/stat")
 
 
-def _busy_jiffies(stat: Path = STAT) -> int:
+def busy_jiffies(stat: Path = STAT) -> int:
     """Jiffies the CPUs spent not idle (idle and iowait excluded) since boot."""
     fields = stat.read_text().splitlines()[0].split()[1:]
     values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
@@ -23,7 +23,7 @@ async def busy_millicores(seconds: float, stat: Path = STAT) -> float:
     """The machine's busy CPU, in thousandths of a core, averaged over `seconds` from now."""
     hz = os.sysconf("SC_CLK_TCK")
     loop = asyncio.get_running_loop()
-    start, t0 = _busy_jiffies(stat), loop.time()
+    start, t0 = busy_jiffies(stat), loop.time()
     await asyncio.sleep(seconds)
-    end, t1 = _busy_jiffies(stat), loop.time()
+    end, t1 = busy_jiffies(stat), loop.time()
     return (end - start) / hz / (t1 - t0) * 1000

@@ -146,6 +146,24 @@ ROWS: tuple[Row, ...] = (
         target=Target("p50", ratio=1.2),
     ),
     Row("list_1000", "list sandboxes, 1,000 on the node", target=Target("p50", 50)),
+    *(
+        row
+        for n in (1, 8, 32)
+        for row in (
+            Row(
+                f"rollout_cpu_s_{n}",
+                f"rollout episode, {n} at once: CPU-seconds each",
+                unit="s",
+                target=Target("p50", ratio=1.3),
+            ),
+            Row(f"rollout_rate_{n}", f"rollout episodes, {n} at once", unit="/min/core"),
+            Row(
+                f"rollout_health_p99_{n}",
+                f"/health p99 under {n} rollouts at once",
+                target=Target("p50", 50),
+            ),
+        )
+    ),
     Row(
         "idle_node_mc",
         "machine busy CPU, node with no sandboxes",

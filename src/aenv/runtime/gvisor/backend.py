@@ -16,7 +16,7 @@ from typing import Any
 from aenv.config import Settings
 from aenv.domain import ENVD_PORT, EgressPolicy
 from aenv.errors import RuntimeFailure
-from aenv.runtime import _proc, naps, netquiet, oci, rootfs, runsc
+from aenv.runtime import _proc, naps, netquiet, oci, priority, rootfs, runsc
 from aenv.runtime.base import Instance, Runtime, SandboxSpec, Stats
 from aenv.runtime.freezer import CGROUP_ROOT, Freezer
 from aenv.runtime.gvisor import bundles, control
@@ -82,6 +82,7 @@ class GVisorRuntime(Runtime):
             if not self._subreaper:
                 log.warning("cannot become a child subreaper: deleting containers is slower")
         await self.runsc.probe()
+        await asyncio.to_thread(priority.favour_node, s.net_prefix)
         await self.rootfs.prepare()
         await self.network.setup_host()
         recovered = await self.reconciler.recover(keep, self._spawn)
