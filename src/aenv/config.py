@@ -214,6 +214,10 @@ class Settings(BaseSettings):
     # Naps (`runtime/naps.py`): a running sandbox with no request for this many seconds and
     # next to no CPU use of its own sleeps in long stretches until the next request; 0: never.
     nap_after: float = 10.0
+    # Standby: a napping sandbox with no CPU use of its own and no request for this many
+    # seconds is frozen until its next request (still `running` to its user); 0: never.
+    # Per sandbox: `standbyAfter` at create.
+    standby_after: float = 0.0
     # Admission: the sum of memoryMB of live sandboxes on this node may not exceed this
     # (None: 90% of the host's RAM).
     max_memory_mb: int | None = None

@@ -201,6 +201,8 @@ class CreateRequest:
     volume_mounts: list[MountRequest] = field(default_factory=list)
     # The name of the API key that asks (its quota applies); None: AENV_API_KEY or the node.
     owner: str | None = None
+    # Seconds idle before standby (`orchestrator/idle.py`); None: the node's setting.
+    standby_after: float | None = None
 
 
 @dataclass
@@ -252,6 +254,8 @@ class SandboxRecord:
     copied_upper: str | None = None
     # The API key that created it (a fork child: its parent's), for per-key quotas.
     owner: str | None = None
+    # Its own standby setting (None: the node's AENV_STANDBY_AFTER).
+    standby_after: float | None = None
 
     @property
     def address(self) -> str | None:

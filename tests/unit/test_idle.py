@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from aenv.domain import ENVD_PORT, CreateRequest, SandboxRecord
+from aenv.domain import ENVD_PORT, CreateRequest, SandboxRecord, SandboxState
 from aenv.runtime import naps
+from aenv.runtime.fake import FakeState
 from tests.node_harness import Harness, started
 
 
@@ -126,3 +127,49 @@ def test_naps_set_and_clear_the_timer_slack_of_every_thread_of_a_cgroup(tmp_path
     finally:
         ev.set()
         t.join()
+
+
+# ---------------------------------------------------------------------------- standby
+def frozen(h: Harness, r: SandboxRecord) -> bool:
+    rec = h.orch.get(r.sandbox_id)
+    assert rec.instance is not None
+    return h.runtime.state(rec.instance) is FakeState.FROZEN
+
+
+async def test_standby_freezes_a_calm_sandbox_and_any_request_thaws_it(tmp_path: Path) -> None:
+    async for h in started(tmp_path, nap_after=10.0, standby_after=30.0):
+        r = await h.orch.create(CreateRequest())
+        await idle_for(h, 25)
+        assert napping(h, r) and not frozen(h, r)
+        await idle_for(h, 10)
+        assert frozen(h, r)
+        # Still running to its user, timeout unchanged.
+        rec = h.orch.get(r.sandbox_id)
+        assert rec.state is SandboxState.RUNNING and rec.end_at == r.end_at
+        assert [x.sandbox_id for x in h.orch.list(states={"running"})] == [r.sandbox_id]
+        await h.orch.resolve(r.sandbox_id, ENVD_PORT)
+        assert not frozen(h, r) and not napping(h, r)
+        # Operations thaw it first, too: a snapshot and a kill of a sandbox in standby.
+        await idle_for(h, 40)
+        assert frozen(h, r)
+        await h.orch.snapshot(r.sandbox_id, "from-standby")
+        assert not frozen(h, r)
+        await idle_for(h, 40)
+        assert frozen(h, r)
+        await h.orch.kill(r.sandbox_id)
+        assert h.orch.list() == []
+
+
+async def test_a_sandbox_whose_job_runs_never_goes_to_standby(tmp_path: Path) -> None:
+    async for h in started(tmp_path, nap_after=10.0, standby_after=20.0):
+        r = await h.orch.create(CreateRequest())
+        h.runtime.cpu_pct[r.sandbox_id] = 0.5  # 0.01 cores: a counter ticking in there
+        await idle_for(h, 120)
+        assert not frozen(h, r)
+
+
+async def test_standby_is_per_sandbox_and_off_by_default(node: Harness) -> None:
+    plain = await node.orch.create(CreateRequest())
+    opted = await node.orch.create(CreateRequest(standby_after=15))
+    await idle_for(node, 30)
+    assert not frozen(node, plain) and frozen(node, opted)

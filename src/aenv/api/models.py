@@ -118,6 +118,9 @@ class NewSandboxV2(_Request):
     auto_pause: bool | None = Field(default=None, alias="autoPause")
     auto_pause_memory: bool | None = Field(default=None, alias="autoPauseMemory")
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
+    # aenv's own: seconds idle before standby (frozen until the next request, still
+    # running to its user); 0 never; absent: the node's AENV_STANDBY_AFTER.
+    standby_after: int | None = Field(default=None, alias="standbyAfter", ge=0, le=86400)
     # snake_case on the wire, as E2B has it.
     allow_internet_access: bool | None = None
     network: NetworkConfig | None = None

@@ -13,7 +13,7 @@ It composes the parts, each with one job, and only delegates:
     TemplateRegistry catalog + layer holds + repository           (templates.py)
     SandboxMetrics  sampled CPU/memory/disk per sandbox           (metrics.py)
     SandboxLogs     node events + envd's journal per sandbox      (logs.py)
-    IdleTracker     naps of idle sandboxes                        (idle.py)
+    IdleTracker     naps and standby of idle sandboxes            (idle.py)
     OomGuard        a process killed inside at the memory limit   (oom.py)
     NodeStats       node view, operation counters, Prometheus     (nodeinfo.py)
     VolumeStore     volumes and their files                       (aenv.volumes)
@@ -118,7 +118,7 @@ class Orchestrator:
         booter = Booter(ctx, table, runtime, storage, envd, bundle, volumes)
         self._snapshotter = snapshotter = Snapshotter(ctx, table, booter, runtime, templates)
         self._boot_snapshots = boot = BootSnapshots(ctx, table, booter, snapshotter, templates)
-        self._idle = idle = IdleTracker(ctx, runtime)
+        self._idle = idle = IdleTracker(ctx, table, runtime)
         pool = WarmPool(ctx, table, booter, templates, boot, idle)
         self._sandboxes = sandboxes = Sandboxes(
             ctx, table, booter, templates, pool, boot, runtime, storage, volumes
@@ -203,6 +203,7 @@ class Orchestrator:
         return r
 
     async def kill(self, sandbox_id: str) -> None:
+        await self._idle.wake(sandbox_id)  # out of standby: frozen tasks die only thawed
         with self._stats.observe("kill", sandbox_id):
             await self._sandboxes.kill(sandbox_id)
 
@@ -375,6 +376,7 @@ class Orchestrator:
     async def logs(self, sandbox_id: str) -> builtins.list[LogEntry]:
         """The sandbox's log entries (envd's journal read first), oldest first."""
         r = self._table.get(sandbox_id)
+        await self._idle.wake(sandbox_id)  # envd answers only awake
         await self._logs.pull(r)
         return self._logs.entries(r)
 

@@ -104,6 +104,7 @@ class Forker:
                 public_traffic=not parent.traffic_access_token,
                 mask_request_host=parent.mask_request_host,
                 owner=parent.owner,
+                standby_after=parent.standby_after,
             )
             with t.stage("children"):
                 # The children restore from the snapshot while the parent does (under its

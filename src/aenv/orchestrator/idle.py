@@ -1,24 +1,33 @@
-"""Which running sandboxes are idle, and their naps (`runtime/naps.py`).
+"""Which running sandboxes are idle: their naps (`runtime/naps.py`) and standby.
 
-A sandbox naps once it has had no request for `nap_after` seconds and the metrics sampler
-saw it use next to no CPU; the next request of any kind (`wake`: the proxy's resolve, an
-operation on it) ends the nap before it is forwarded. A nap never stops anything inside:
-a background job that starts working while its sandbox naps shows in the next sample and
-ends the nap too, and that sandbox is then left awake for a while (`BUSY_HOLD`), so that a
-job that works in bursts does not nap between them.
+A sandbox **naps** once it has had no request for `nap_after` seconds and the metrics
+sampler saw it use next to no CPU; the next request of any kind (`wake`: the proxy's
+resolve, an operation on it, a logs read) ends the nap before it is forwarded. A nap never
+stops anything inside: a background job that starts working while its sandbox naps shows in
+the next sample and ends the nap too, and that sandbox is then left awake for a while
+(`BUSY_HOLD`), so that a job that works in bursts does not nap between them.
+
+**Standby** (opt-in: `standbyAfter` at create, or `AENV_STANDBY_AFTER` for the node) goes
+further for a sandbox that napped calmly (no CPU of its own at all) and had no request for
+its `standby_after` seconds: its processes are frozen (the cgroup freezer: no CPU, memory
+kept). To its user it is still running: listed and shown as running, its timeout and
+metrics go on, and the next request of any kind thaws it (a few ms) before it is forwarded.
+A sandbox whose background job does anything is never frozen.
 
 No timer of its own: it is told of requests as they come and of CPU use by the sampler's
 one round over all sandboxes, so an idle node does no per-sandbox work for it."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from ..domain import SandboxRecord
+from ..domain import SandboxRecord, SandboxState
 from ..runtime.base import Instance, Runtime
 from .context import NodeContext
+from .table import SandboxTable
 
 log = logging.getLogger("aenv.orchestrator")
 
@@ -27,6 +36,8 @@ log = logging.getLogger("aenv.orchestrator")
 NAP_CPU = 0.06
 # Cores: napping, an idle sandbox costs under 0.001; more means something inside works.
 WAKE_CPU = 0.02
+# Cores: napping and under this, nothing inside runs at all (standby may freeze it).
+CALM_CPU = 0.002
 # After a nap ended because the sandbox worked: no nap again for this long.
 BUSY_HOLD = timedelta(seconds=60)
 
@@ -35,18 +46,26 @@ BUSY_HOLD = timedelta(seconds=60)
 class _Idle:
     last_request: datetime
     napping: Instance | None = None
+    frozen: Instance | None = None  # in standby
     hold_until: datetime | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class IdleTracker:
-    def __init__(self, ctx: NodeContext, runtime: Runtime) -> None:
+    def __init__(self, ctx: NodeContext, table: SandboxTable, runtime: Runtime) -> None:
         self.ctx = ctx
+        self.table = table
         self.runtime = runtime
         self._state: dict[str, _Idle] = {}
 
     @property
     def nap_after(self) -> float:
         return self.ctx.settings.nap_after
+
+    def standby_after(self, r: SandboxRecord) -> float:
+        """The sandbox's own setting, else the node's; 0: never."""
+        own = r.standby_after
+        return float(own if own is not None else self.ctx.settings.standby_after)
 
     def _of(self, sandbox_id: str) -> _Idle:
         s = self._state.get(sandbox_id)
@@ -58,50 +77,87 @@ class IdleTracker:
         s = self._state.get(sandbox_id)
         return s is not None and s.napping is not None
 
+    def in_standby(self, sandbox_id: str) -> bool:
+        s = self._state.get(sandbox_id)
+        return s is not None and s.frozen is not None
+
     def touch(self, sandbox_id: str) -> None:
         """A request for the sandbox came: its idle time starts again."""
         self._of(sandbox_id).last_request = self.ctx.now()
 
     async def wake(self, sandbox_id: str) -> None:
-        """A request is about to reach the sandbox: its nap, if any, ends first."""
+        """A request is about to reach the sandbox: standby and nap, if any, end first."""
         s = self._of(sandbox_id)
         s.last_request = self.ctx.now()
-        if s.napping is not None:
-            inst, s.napping = s.napping, None
-            await self._set(inst, False)
+        if s.napping is None and s.frozen is None:
+            return
+        async with s.lock:
+            if s.frozen is not None:
+                inst, s.frozen = s.frozen, None
+                try:
+                    await self.runtime.thaw(inst)
+                except Exception as e:  # gone meanwhile: the request finds out by itself
+                    log.debug("thawing %s from standby: %s", sandbox_id, e)
+            if s.napping is not None:
+                inst, s.napping = s.napping, None
+                await self._nap(inst, False)
 
     async def nap_now(self, r: SandboxRecord) -> None:
         """Naps a sandbox nobody uses yet (a warm pool's) at once."""
         if self.nap_after > 0 and r.instance is not None:
             s = self._of(r.sandbox_id)
             s.napping = r.instance
-            await self._set(r.instance, True)
+            await self._nap(r.instance, True)
 
     async def observe(self, r: SandboxRecord, cpu_cores: float) -> None:
         """The sampler's reading of a running sandbox's CPU use since its last one."""
         if self.nap_after <= 0 or r.instance is None:
             return
         s = self._of(r.sandbox_id)
+        if s.frozen is not None or s.lock.locked():
+            return
         now = self.ctx.now()
+        quiet = (now - s.last_request).total_seconds()
         if s.napping is not None:
             if cpu_cores > WAKE_CPU:
-                inst, s.napping = s.napping, None
-                s.hold_until = now + BUSY_HOLD
-                await self._set(inst, False)
+                async with s.lock:
+                    inst, s.napping = s.napping, None
+                    s.hold_until = now + BUSY_HOLD
+                    await self._nap(inst, False)
+                return
+            standby = self.standby_after(r)
+            if standby > 0 and cpu_cores < CALM_CPU and quiet >= standby:
+                await self._freeze(r, s)
             return
         if cpu_cores >= NAP_CPU or (s.hold_until is not None and now < s.hold_until):
             return
-        if (now - s.last_request).total_seconds() < self.nap_after:
+        if quiet < self.nap_after:
             return
         s.napping = r.instance
-        await self._set(r.instance, True)
+        await self._nap(r.instance, True)
+
+    async def _freeze(self, r: SandboxRecord, s: _Idle) -> None:
+        op = self.table.lock(r.sandbox_id)
+        if op.locked():
+            return  # an operation is on it: not idle after all
+        async with s.lock, op:
+            inst = r.instance
+            if r.state is not SandboxState.RUNNING or inst is None or s.frozen is not None:
+                return
+            try:
+                await self.runtime.freeze(inst)
+            except Exception as e:
+                log.debug("standby of %s: %s", r.sandbox_id, e)
+                return
+            s.frozen = inst
+        log.info("sandbox %s in standby (frozen until its next request)", r.sandbox_id)
 
     def forget(self, keep: set[str]) -> None:
         """Drops what is known of sandboxes not in `keep` (gone from the node)."""
         for gone in self._state.keys() - keep:
             del self._state[gone]
 
-    async def _set(self, inst: Instance, on: bool) -> None:
+    async def _nap(self, inst: Instance, on: bool) -> None:
         try:
             await self.runtime.nap(inst, on)
         except Exception as e:  # a nap is an optimisation: never fail a request for it

@@ -108,6 +108,7 @@ async def _create(
         mask_request_host=network.mask_request_host or None,
         volume_mounts=[MountRequest(v.name, v.path, v.read_only) for v in body.volume_mounts or []],
         owner=owner,
+        standby_after=body.standby_after,
     )
 
     async def create() -> tuple[Sandbox, str]:

@@ -1,0 +1,65 @@
+"""Standby on a real node: a sandbox created with `standbyAfter` naps, then is frozen once it
+did nothing for that long; it still shows as running, and any request (a command) thaws it
+at once. A sandbox whose background job keeps working is never frozen: its job keeps
+counting."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from e2b import Sandbox
+
+from tests.helpers import wait_until
+
+from .conftest import Server
+
+pytestmark = pytest.mark.integration
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 1; done"
+
+
+def frozen(sandbox_id: str) -> bool:
+    states = [p.read_text().strip() for p in FREEZER.glob(f"*/{sandbox_id}-*/freezer.state")]
+    assert states, f"no freezer cgroup for {sandbox_id}"
+    return states[0] != "THAWED"
+
+
+def create(server: Server, **body: object) -> Sandbox:
+    with server.client() as c:
+        r = c.post("/sandboxes", json={"templateID": "base", "timeout": 300, **body})
+    assert r.status_code == 201, r.text
+    return Sandbox.connect(r.json()["sandboxID"])
+
+
+def test_standby_freezes_an_idle_sandbox_and_a_command_thaws_it(
+    server: Server, sandboxes: list[object]
+) -> None:
+    s = create(server, standbyAfter=1)
+    sandboxes.append(s)
+    wait_until(lambda: frozen(s.sandbox_id), 60, 0.5, "the idle sandbox to go to standby")
+    with server.client() as c:
+        info = c.get(f"/sandboxes/{s.sandbox_id}").json()
+    assert info["state"] == "running"
+    assert frozen(s.sandbox_id)  # reading its info does not wake it
+    t0 = time.monotonic()
+    assert s.commands.run("echo awake").stdout.strip() == "awake"
+    assert time.monotonic() - t0 < 5
+    assert not frozen(s.sandbox_id)
+
+
+def test_a_sandbox_whose_job_works_is_never_frozen(server: Server, sandboxes: list[object]) -> None:
+    s = create(server, standbyAfter=1)
+    sandboxes.append(s)
+    s.commands.run(COUNTER, background=True)
+    wait_until(lambda: s.files.exists("/tmp/count"), 15, 0.2, "the counter to start")
+    start = int(s.files.read("/tmp/count"))
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        assert not frozen(s.sandbox_id)
+        time.sleep(1)
+    counted = int(s.files.read("/tmp/count"))
+    # It kept counting (a napping sandbox's sleeps may end up to a second late).
+    assert counted - start >= 10, (start, counted)
