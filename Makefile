@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.aenv-installed
 export AENV_HOME ?= /var/lib/aenv
 
-.PHONY: install system venv console base code-interpreter run test test-unit test-integration lint bench proto clean
+.PHONY: install system venv console base code-interpreter run test test-unit test-integration lint bench soak proto clean
 
 install: system venv console base
 
@@ -55,6 +55,13 @@ lint: venv
 
 bench: install
 	$(BIN)/aenv bench $(if $(QUICK),--quick,)
+
+# Rollouts kept running AT_ONCE at a time for MINUTES on a server of its own, then a check
+# that none failed and nothing leaked (bench/soak.py).
+MINUTES ?= 30
+AT_ONCE ?= 8
+soak: install
+	$(BIN)/python -m bench.soak --minutes $(MINUTES) --at-once $(AT_ONCE)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -141,14 +141,25 @@ class ServerRollouts:
         self.plan, self.progress, self.meter = plan, progress, meter
         self.task: str | None = None
 
-    async def run(self) -> None:
-        self.progress.step("rollouts: task snapshot", 1)
+    async def make_task(self) -> None:
+        """The task snapshot every episode starts from: a prepared sandbox's."""
         sbx, _ = await self.api.create(memory_mb=MEMORY_MB)
         try:
             await self.api.run(sbx, TASK_SETUP)
             self.task, _ = await self.api.snapshot(sbx.sandbox_id)
         finally:
             await self.api.kill(sbx.sandbox_id)
+
+    async def drop_task(self) -> None:
+        if self.task is not None:
+            await self.api.delete_snapshot(self.task)
+            self.task = None
+
+    async def run(self) -> None:
+        self.progress.step("rollouts: task snapshot", 1)
+        try:
+            await self.make_task()
+        finally:
             self.progress.advance()
         try:
             for at_once, count in levels(self.plan):
@@ -158,7 +169,7 @@ class ServerRollouts:
                     lv = await run_level(at_once, count, self.episode, self.meter, self.progress)
                 record(self.results, lv, baseline=False, health=probe)
         finally:
-            await self.api.delete_snapshot(self.task)
+            await self.drop_task()
 
     async def _timed(self, lv: Level, name: str, fn: Callable[[], Awaitable[object]]) -> None:
         t0 = time.perf_counter()

@@ -45,7 +45,8 @@ class StatsReader:
             # First sample: the average since the sandbox started.
             elapsed = time.time() - c.started_at if c.started_at else 0.0
             pct = cpu_ns / 1e9 / elapsed / cpus * 100 if elapsed > 0 else 0.0
-        if mem_limit <= 0 or mem_limit >= 1 << 62:
+        if c.memory_mb > 0 or mem_limit <= 0 or mem_limit >= 1 << 62:
+            # The sandbox's size: the cgroup's limit is above it (`runtime/memguard.py`).
             mem_limit = c.memory_mb * 1024 * 1024
         rss = await asyncio.to_thread(host_rss, c)
         return Stats(
