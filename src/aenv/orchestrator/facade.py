@@ -68,7 +68,7 @@ from .logs import LogEntry, SandboxLogs
 from .metrics import SAMPLE_SECONDS, MetricSample, SandboxMetrics
 from .moving import DrainResult, Mover
 from .node import Node
-from .nodeinfo import NodeInfo, NodeStats
+from .nodeinfo import NodeInfo, NodeStats, cache_sizes
 from .oom import OomGuard
 from .pausing import Pauser
 from .pool import WarmPool
@@ -133,7 +133,10 @@ class Orchestrator:
         self._metrics = SandboxMetrics(ctx, table, runtime, storage)
         self._logs = SandboxLogs(table, envd)
         self._stats = NodeStats(
-            table, settings.home, lambda: ctx.closing or ctx.draining, self._cache_sizes(durable)
+            table,
+            settings.home,
+            lambda: ctx.closing or ctx.draining,
+            cache_sizes(storage, durable),
         )
         self._stats.node_id = settings.cluster_node_id
         OomGuard(ctx, table, runtime, envd, self._logs, self._stats)
@@ -405,18 +408,6 @@ class Orchestrator:
                 await self.sample()
             except Exception:
                 log.exception("metrics sampler")
-
-    def _cache_sizes(self, durable: Durable | None) -> Callable[[], dict[str, int]]:
-        """Bytes on disk of the layer store and of the cache of fetched memory images."""
-        refs = self._storage.refs
-
-        def sizes() -> dict[str, int]:
-            out = {"layers": refs.usage()}
-            if durable is not None:
-                out["snapshot_images"] = durable.store.cache.usage()
-            return out
-
-        return sizes
 
     # ------------------------------------------------------------------ cluster moves
     async def drain(self) -> builtins.list[DrainResult]:

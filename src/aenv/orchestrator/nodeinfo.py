@@ -22,6 +22,8 @@ from .. import __version__
 from ..domain import HOLDS_MEMORY, SandboxRecord, SandboxState
 from ..errors import AenvError
 from ..logctx import sandbox_context
+from .durable import Durable
+from .storage import SandboxStorage
 from .table import SandboxTable
 
 # The one cluster a single node is part of (E2B's field is a UUID).
@@ -264,3 +266,16 @@ def _machine() -> dict[str, str]:
         "cpuModelName": info["model name"],
         "cpuArchitecture": platform.machine(),
     }
+
+
+def cache_sizes(storage: SandboxStorage, durable: Durable | None) -> Callable[[], dict[str, int]]:
+    """Bytes on disk of the layer store and of the cache of fetched memory images."""
+    refs = storage.refs
+
+    def sizes() -> dict[str, int]:
+        out = {"layers": refs.usage()}
+        if durable is not None:
+            out["snapshot_images"] = durable.store.cache.usage()
+        return out
+
+    return sizes
