@@ -21,6 +21,16 @@ from tests.node_harness import Harness, started
 API_KEY = "admission-test-key-0123456789"
 
 
+async def queued(h: Harness, n: int = 1) -> None:
+    """Until `n` boots wait for the one slot (the first holds it)."""
+    booter = h.orch._sandboxes.booter
+    for _ in range(500):
+        if booter.waiting >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the boots did not queue")
+
+
 @pytest.fixture
 async def node(tmp_path: Path) -> AsyncIterator[Harness]:
     # One boot slot, one create may wait for it; each boot takes 0.2 s.
@@ -32,7 +42,7 @@ async def node(tmp_path: Path) -> AsyncIterator[Harness]:
 async def test_creates_past_the_boot_queue_are_refused_at_once(node: Harness) -> None:
     first = asyncio.create_task(node.orch.create(CreateRequest()))
     second = asyncio.create_task(node.orch.create(CreateRequest()))
-    await asyncio.sleep(0.05)  # the first holds the slot, the second waits
+    await queued(node)  # the first holds the slot, the second waits
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     with pytest.raises(Unavailable) as refused:
@@ -57,7 +67,7 @@ async def test_the_api_answers_503_with_retry_after(node: Harness) -> None:
         busy = [
             asyncio.create_task(c.post("/sandboxes", json={"templateID": "base"})) for _ in range(2)
         ]
-        await asyncio.sleep(0.05)
+        await queued(node)
         r = await c.post("/sandboxes", json={"templateID": "base"})
         assert r.status_code == 503
         assert int(r.headers["Retry-After"]) >= 1
@@ -70,7 +80,7 @@ async def test_a_fork_is_admitted_whole_or_refused_before_the_parent_is_touched(
 ) -> None:
     parent = await node.orch.create(CreateRequest())
     blockers = [asyncio.create_task(node.orch.create(CreateRequest())) for _ in range(2)]
-    await asyncio.sleep(0.05)
+    await queued(node)
     before = len(node.runtime.calls)
     with pytest.raises(Unavailable):
         await node.orch.fork(parent.sandbox_id, 3)

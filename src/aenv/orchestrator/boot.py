@@ -68,6 +68,11 @@ class Booter:
         self._waiting = 0  # boots waiting for a slot now
         self._boot_seconds = 1.0  # a running average of how long a slot is held
 
+    @property
+    def waiting(self) -> int:
+        """Boots waiting for a slot now."""
+        return self._waiting
+
     def check_queue(self, count: int = 1) -> None:
         """Refuses (503, `Retry-After`) new sandboxes that would wait behind more boots than
         the node takes in queue: the caller learns at once, and when to come back, instead
