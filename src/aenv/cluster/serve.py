@@ -5,11 +5,9 @@ from __future__ import annotations
 import logging
 import sys
 
-import uvicorn
-
 from ..config import Settings
 from ..logctx import configure as configure_logging
-from ..server import check_tls, uvicorn_config
+from ..server import QuietServer, check_tls, uvicorn_config
 from .gateway import create_gateway_app
 
 
@@ -21,4 +19,4 @@ def serve_gateway(settings: Settings) -> None:
     print(
         f"aenv: gateway serving on {settings.url} (cluster {settings.redis_url})", file=sys.stderr
     )
-    uvicorn.Server(uvicorn_config(app, settings)).run()
+    QuietServer(uvicorn_config(app, settings)).run()

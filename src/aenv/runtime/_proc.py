@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from aenv.errors import RuntimeFailure
+from aenv.runtime import priority
 
 log = logging.getLogger("aenv.runtime")
 
@@ -66,6 +67,7 @@ async def run(
         )
     except OSError as e:
         raise RuntimeFailure(f"cannot run {argv[0]}: {e}") from e
+    priority.as_work(proc.pid)
     try:
         out, err = await asyncio.wait_for(proc.communicate(data), time_limit)
     except TimeoutError:
@@ -115,6 +117,7 @@ async def run_detached(
             )
         except OSError as e:
             raise RuntimeFailure(f"cannot run {argv[0]}: {e}") from e
+        priority.as_work(proc.pid)
     try:
         rc = await asyncio.wait_for(proc.wait(), time_limit)
     except TimeoutError:

@@ -1,6 +1,10 @@
 """The node ahead of its sandboxes for the CPU: under full load the control plane must still
 answer at once (a `/health`, a create's first steps), or every client times out together.
 
+The node process runs at nice NODE_NICE (`raise_node`, at start, before any thread: threads
+and children inherit it); the commands it starts (runsc and the rest, `runtime/_proc.py`)
+go back to nice 0 (`as_work`) right after they start, so they do not share its priority.
+
 All sandboxes live in one cgroup parent per node (`cpu/<net prefix>/<container>`). In the
 cgroup v1 CPU controller that parent competes with the node's own threads (in the root) as
 one entity of weight `cpu.shares`: at a quarter of a plain process's weight the sandboxes,
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from pathlib import Path
 
 from .freezer import CGROUP_ROOT
@@ -18,6 +23,22 @@ from .freezer import CGROUP_ROOT
 log = logging.getLogger("aenv.runtime")
 
 SANDBOX_SHARES = 256
+NODE_NICE = -10
+
+
+def raise_node() -> None:
+    """This process (and the threads and children it makes from now on) at NODE_NICE."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, NODE_NICE)
+    except OSError as e:  # not root: as before
+        log.debug("node priority not raised: %s", e)
+
+
+def as_work(pid: int) -> None:
+    """A command the node started back at the default priority."""
+    with contextlib.suppress(OSError):
+        if os.getpriority(os.PRIO_PROCESS, 0) < 0:
+            os.setpriority(os.PRIO_PROCESS, pid, 0)
 
 
 def favour_node(prefix: str, root: Path = CGROUP_ROOT, shares: int = SANDBOX_SHARES) -> bool:
