@@ -100,6 +100,18 @@ class Soak:
         return len(self.rss_mib) < 2 or self.rss_mib[-1] <= self.rss_mib[0] * 1.25 + 32
 
 
+def _du_by_dir(home: Path) -> str:
+    r = subprocess.run(
+        ["du", "-xm", "--max-depth=2", str(home)], capture_output=True, text=True, check=False
+    )
+    rows = sorted(
+        (int(n), p.removeprefix(f"{home}/"))
+        for n, _, p in (line.partition("\t") for line in r.stdout.splitlines())
+        if n.isdigit()
+    )
+    return ", ".join(f"{p} {n} MiB" for n, p in rows[-8:])
+
+
 def _rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -153,10 +165,13 @@ async def soak(minutes: float, at_once: int) -> Soak:
 
         await asyncio.gather(reporter(), *(worker() for _ in range(at_once)))
         await runner.drop_task()
-        await asyncio.sleep(10)  # kills finish in the background; the pool refills
+        # Kills finish in the background, the pool refills, freed disk is trimmed (30 s).
+        await asyncio.sleep(45)
         result.listed_after = len(await api.list_ids())
         result.rss_mib.append(_rss_mib(pid))
         result.leaks = Footprint.of(home).leaks_against(before)
+        if any(leak.startswith("disk_mib") for leak in result.leaks):
+            result.leaks.append("where: " + _du_by_dir(home))
         print(f"soak: {lv.ops_note()}", flush=True)
     finally:
         if api is not None:

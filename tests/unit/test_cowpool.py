@@ -16,8 +16,10 @@ import pytest
 from aenv.config import Settings
 from aenv.images.layers import LayerStore
 from aenv.orchestrator.storage import SandboxStorage
+from aenv.runtime import cowpool
 from aenv.runtime.cowpool import CowPool, open_pool
 from aenv.runtime.rootfs import is_mount_point
+from tests.helpers import wait_until
 from tests.unit.test_disks import fill
 
 pytestmark = pytest.mark.skipif(
@@ -116,3 +118,20 @@ def test_a_home_made_with_disks_keeps_them(tmp_path: Path) -> None:
     assert not is_mount_point(settings.layers_dir)
     assert not (settings.home / "store.btrfs").exists()
     assert open_pool(Settings(home=tmp_path / "other", storage="ext4")) is None
+
+
+def test_a_deleted_sandboxs_space_goes_back_to_the_host(
+    pool: CowPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cowpool, "TRIM_AFTER", 1.0)
+    d = pool.attach("sbx", 256)
+    (d / "data").write_bytes(os.urandom(1 << 20) * 96)  # 96 MiB, not compressible
+    os.sync()
+    grown = pool.image.stat().st_blocks * 512
+    pool.detach("sbx")
+
+    def shrunk() -> bool:
+        os.sync()
+        return pool.image.stat().st_blocks * 512 < grown - (64 << 20)
+
+    wait_until(shrunk, 30, 0.5, "the pool file to give the space back")

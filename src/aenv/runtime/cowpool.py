@@ -19,9 +19,11 @@ keeps them. Once made, the pool is what the home uses: mounted again on every st
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -38,7 +40,11 @@ log = logging.getLogger("aenv.runtime")
 IMAGE = "store.btrfs"
 _SUBVOLUMES = ("layers", "rw")
 # commit=5: quotas (the usage metrics read) are counted per transaction, 30 s apart by default.
-_MOUNT_OPTIONS = "noatime,nodev,commit=5"
+# discard=async: space freed in the pool is punched out of its sparse file (through the loop
+# device), so the host gets back what killed sandboxes wrote instead of the file only growing.
+_MOUNT_OPTIONS = "noatime,nodev,commit=5,discard=async"
+TRIM_AFTER = 30.0
+_FITRIM = 0xC0185879  # _IOWR('X', 121, struct fstrim_range)
 # Sandboxes' metric samples ask for their usage every few seconds: one `qgroup show` answers
 # for all of them, for this long.
 _USAGE_TTL = 2.0
@@ -55,6 +61,7 @@ class CowPool:
         self._lock = threading.Lock()
         self._usage: dict[str, int] = {}
         self._usage_at = 0.0
+        self._trim: threading.Timer | None = None
 
     # The filesystem.
 
@@ -94,6 +101,10 @@ class CowPool:
             run_tool(["mount", "-o", opts, str(self.image), str(target)], f"mounting {target}")
 
     def unmount(self) -> None:
+        with self._lock:
+            if self._trim is not None:
+                self._trim.cancel()
+                self._trim = None
         for target in (self.rw_dir, self.layers_dir):
             if is_mount_point(target):
                 subprocess.run(["umount", "-l", str(target)], capture_output=True, check=False)
@@ -128,6 +139,33 @@ class CowPool:
         )
         if r.returncode != 0:  # a plain directory (an upper left by an older layout)
             shutil.rmtree(target, ignore_errors=True)
+        self._trim_soon()
+
+    def _trim_soon(self) -> None:
+        """The pool file is sparse, and what a deleted subvolume held stays allocated in it
+        (online discard misses most of it): TRIM_AFTER seconds after a deletion (the kernel
+        has freed it by then), the free space is trimmed, which punches it out of the file
+        through the loop device. One pending trim at a time; none while nothing is deleted."""
+        with self._lock:
+            if self._trim is not None:
+                return
+            self._trim = threading.Timer(TRIM_AFTER, self._trim_now)
+            self._trim.daemon = True
+            self._trim.start()
+
+    def _trim_now(self) -> None:
+        with self._lock:
+            self._trim = None
+        if not is_mount_point(self.rw_dir):
+            return  # unmounted meanwhile: never trim the host's own file system
+        try:
+            fd = os.open(self.rw_dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.ioctl(fd, _FITRIM, struct.pack("QQQ", 0, 2**64 - 1, 0))
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.debug("trimming the pool: %s", e)
 
     def remount(self, sandbox_id: str, size_mb: int) -> None:
         """Nothing: a subvolume is there as long as the pool is mounted."""
