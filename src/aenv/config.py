@@ -243,8 +243,8 @@ class Settings(BaseSettings):
     # 0: two per CPU core.
     boot_concurrency: int = 0
     # Creates that may wait for a boot slot; past them a create is refused at once (503 with
-    # `Retry-After`) instead of waiting behind boots the CPU cannot keep up with. 0: four
-    # times the boot slots.
+    # `Retry-After`) instead of waiting behind boots the CPU cannot keep up with. 0: as many
+    # as would wait up to 30 s at the boots' recent pace.
     boot_queue: int = 0
     # Every snapshot/fork puts a layer on the sandbox's stack and one overlay mount takes
     # ~45 lowers: a stack longer than this is squashed in the background (its top layers

@@ -16,6 +16,7 @@ from aenv.api.app import create_control_app
 from aenv.domain import CreateRequest, Quota, SandboxState
 from aenv.errors import TooManyRequests, Unavailable
 from aenv.keys import KeyStore
+from aenv.orchestrator import boot
 from tests.node_harness import Harness, started
 
 API_KEY = "admission-test-key-0123456789"
@@ -122,3 +123,20 @@ async def test_a_key_past_its_quota_gets_429_and_others_go_on(node: Harness) -> 
         r = await create(small, memoryMB=512)
         assert r.status_code == 429 and "MiB" in r.json()["message"]
         assert len([x for x in node.orch.list() if x.owner == "small"]) == 3
+
+
+async def test_by_default_the_queue_holds_what_waits_up_to_max_queue_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without AENV_BOOT_QUEUE a create is refused when the boots ahead of it would take
+    longer than MAX_QUEUE_WAIT at their recent pace (1 s each to start with)."""
+    monkeypatch.setattr(boot, "MAX_QUEUE_WAIT", 1.5)
+    async for h in started(tmp_path, boot_concurrency=1):
+        h.runtime.delay = 0.2
+        first = asyncio.create_task(h.orch.create(CreateRequest()))
+        second = asyncio.create_task(h.orch.create(CreateRequest()))  # ~1 s to wait: queued
+        await queued(h)
+        with pytest.raises(Unavailable) as refused:
+            await h.orch.create(CreateRequest())  # ~2 s to wait: refused
+        assert refused.value.retry_after is not None and refused.value.retry_after >= 2
+        assert [r.state for r in await asyncio.gather(first, second)] == [SandboxState.RUNNING] * 2

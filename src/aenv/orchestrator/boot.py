@@ -41,6 +41,11 @@ from .table import SandboxTable
 
 log = logging.getLogger("aenv.orchestrator")
 
+# Seconds a create may expect to wait for a boot slot (the queue ahead of it, at the boots'
+# recent pace) before it is refused with 503 and Retry-After instead: well inside the SDKs'
+# request timeouts, so that a create is never abandoned by its client while still queued.
+MAX_QUEUE_WAIT = 30.0
+
 
 class Booter:
     def __init__(
@@ -64,7 +69,7 @@ class Booter:
         n = ctx.settings.boot_concurrency or 2 * (os.cpu_count() or 1)
         self._slots = asyncio.Semaphore(n)
         self._slot_count = n
-        self._queue_limit = ctx.settings.boot_queue or 4 * n
+        self._queue_limit = ctx.settings.boot_queue  # 0: by the expected wait
         self._waiting = 0  # boots waiting for a slot now
         self._boot_seconds = 1.0  # a running average of how long a slot is held
 
@@ -77,9 +82,14 @@ class Booter:
         """Refuses (503, `Retry-After`) new sandboxes that would wait behind more boots than
         the node takes in queue: the caller learns at once, and when to come back, instead
         of a request that hangs and then half-fails (envd not ready in time)."""
-        if not self._slots.locked() or self._waiting + count <= self._queue_limit:
+        if not self._slots.locked():
             return
         rounds = (self._waiting + count) / self._slot_count
+        if self._queue_limit:
+            if self._waiting + count <= self._queue_limit:
+                return
+        elif rounds * self._boot_seconds <= MAX_QUEUE_WAIT:
+            return
         raise Unavailable(
             f"the node is busy starting sandboxes ({self._waiting} waiting for "
             f"{self._slot_count} boot slots); try again shortly",
