@@ -74,6 +74,10 @@ class Sbx:
     token: str | None
 
 
+# Times a request refused with Retry-After is sent again.
+RETRIES_AFTER = 20
+
+
 def _describe(exc: httpx.HTTPError, seconds: float) -> str:
     if isinstance(exc, httpx.TimeoutException):
         return f"no answer after {seconds:.0f}s ({type(exc).__name__})"
@@ -138,15 +142,22 @@ class Api:
         if timeout is None and feature:
             timeout = self.op_timeout
         t0 = time.perf_counter()
-        try:
-            resp = await self._http.request(
-                method,
-                path,
-                json=json_body,
-                timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
-            )
-        except httpx.HTTPError as exc:
-            raise BenchError(f"{what}: {_describe(exc, time.perf_counter() - t0)}") from None
+        for _ in range(RETRIES_AFTER):
+            try:
+                resp = await self._http.request(
+                    method,
+                    path,
+                    json=json_body,
+                    timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
+                )
+            except httpx.HTTPError as exc:
+                raise BenchError(f"{what}: {_describe(exc, time.perf_counter() - t0)}") from None
+            # A busy node says when to come back (503/429 + Retry-After): as a client should,
+            # the bench does, and the wait counts in the operation's time.
+            after = resp.headers.get("retry-after", "")
+            if resp.status_code not in (429, 503) or not after.isdigit():
+                break
+            await asyncio.sleep(int(after))
         ms = (time.perf_counter() - t0) * 1000
         if resp.status_code not in ok:
             msg = _message(resp)
