@@ -53,6 +53,8 @@ _REF_ALPHABET = _ALNUM + "ABCZ./:@_-+ \t\n\0[]%~é"
 # Found by this test: an upper-case one-label registry was lower-cased, and printed it read as
 # a Docker Hub path.
 @example("A/0")
+# And a newline before the tag: `$` in the grammar's patterns matched before it.
+@example("0\n:0")
 def test_any_text_is_a_reference_or_bad_request(text: str) -> None:
     try:
         ref = parse_reference(text)

@@ -112,26 +112,26 @@ def split_reference(text: str) -> tuple[str | None, str, str | None, str | None]
     digest: str | None = None
     if "@" in s:
         s, digest = s.rsplit("@", 1)
-        if not _DIGEST_RE.match(digest):
+        if not _DIGEST_RE.fullmatch(digest):
             raise BadRequest(f"invalid digest in image reference {text!r}")
     tag: str | None = None
     slash = s.rfind("/")
     colon = s.rfind(":")
     if colon > slash:
         s, tag = s[:colon], s[colon + 1 :]
-        if not _TAG_RE.match(tag):
+        if not _TAG_RE.fullmatch(tag):
             raise BadRequest(f"invalid tag in image reference {text!r}")
     registry: str | None = None
     first, sep, rest = s.partition("/")
     if sep and _is_domain(first):
-        if not _DOMAIN_RE.match(first):
+        if not _DOMAIN_RE.fullmatch(first):
             raise BadRequest(f"invalid registry in image reference {text!r}")
         registry, s = normalize_registry(first), rest
         if not _is_domain(registry):
             # Only its upper case made it a registry (`Host/x`): lower-cased it would read
             # as a Docker Hub path when printed and parsed again, so it is kept as written.
             registry = first
-    if not _PATH_RE.match(s) or len(s) > 255:
+    if not _PATH_RE.fullmatch(s) or len(s) > 255:
         raise BadRequest(f"invalid image reference {text!r}")
     return registry, s, tag, digest
 
