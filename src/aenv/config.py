@@ -216,11 +216,18 @@ class Settings(BaseSettings):
     nap_after: float = 10.0
     # Standby: a napping sandbox with no CPU use of its own and no request for this many
     # seconds is frozen until its next request (still `running` to its user); 0: never.
-    # Per sandbox: `standbyAfter` at create.
+    # Per sandbox: `standbyAfter` at create; per template: `standbyAfter` on PATCH.
     standby_after: float = 0.0
+    # Standby on disk: a sandbox in standby this many seconds more is hibernated (memory
+    # released), still `running` to its user; its next request restores it. 0: never (it
+    # still goes to disk early when a create or resume needs its memory).
+    standby_disk_after: float = 600.0
     # Admission: the sum of memoryMB of live sandboxes on this node may not exceed this
     # (None: 90% of the host's RAM).
     max_memory_mb: int | None = None
+    # The budget above times this: sandboxes rarely use all their memoryMB, so a node may
+    # promise more than it has (idle ones in standby go to disk when the promise is called).
+    memory_overcommit: float = Field(default=1.0, ge=1.0)
     # Admission: at most this many sandboxes holding memory (running or frozen, the warm
     # pool's included) on the node; 0: the memory budget alone decides. Past it: 429.
     max_sandboxes: int = 0

@@ -102,6 +102,9 @@ class PausedState:
     # The hibernation (files, image and record) is in the repository: with a shared one,
     # another node can resume the sandbox (cluster failover, drain).
     published: bool = False
+    # Put on disk by the node from standby (`orchestrator/idle.py`), not by its user: to
+    # its user it is still running, and its next request resumes it.
+    standby: bool = False
 
 
 @dataclass
@@ -268,6 +271,16 @@ class SandboxRecord:
             return None
         return self.paused.tier
 
+    @property
+    def in_standby_on_disk(self) -> bool:
+        """Hibernated by the node from standby: paused here, running to its user."""
+        return self.state is SandboxState.PAUSED and self.paused is not None and self.paused.standby
+
+    @property
+    def shown_paused(self) -> bool:
+        """Whether its user sees it paused (E2B's two states)."""
+        return self.state is SandboxState.PAUSED and not self.in_standby_on_disk
+
 
 class TemplateKind(enum.StrEnum):
     IMAGE = "image"  # an OCI image or the built-in base, booted cold
@@ -298,6 +311,7 @@ _TEMPLATE_FIELDS = (
     "boot_run",
     "published",
     "volume_mounts",
+    "standby_after",
 )
 
 
@@ -337,6 +351,8 @@ class TemplateRecord:
     extra: dict[str, Any] = field(default_factory=dict)
     # A snapshot's volumes (not their content): what sandboxes restored from it mount.
     volume_mounts: list[VolumeMount] = field(default_factory=list)
+    # Seconds idle before standby for its sandboxes that set none (None: the node's).
+    standby_after: float | None = None
 
     @property
     def has_memory(self) -> bool:

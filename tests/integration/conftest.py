@@ -143,6 +143,8 @@ def server() -> Iterator[Server]:
         # A small node budget, so a test can run into it (fork with partial failure).
         AENV_MAX_MEMORY_MB="12288",
         AENV_HIBERNATE_AFTER="5",
+        # Sandboxes that opt into standby go on to disk soon (test_standby.py).
+        AENV_STANDBY_DISK_AFTER="20",
         # Small disks, so a test can fill one (test_limits.py).
         AENV_DEFAULT_DISK_MB="2048",
         AENV_INSECURE_REGISTRIES=TEST_REGISTRY,

@@ -102,6 +102,13 @@ def test_snapshot_and_fork_commands(server: Server) -> None:
         aenv(server, "exec", sid, "--", "sh", "-c", "echo parent > ~/who")
         snap = aenv(server, "snapshot", "create", sid, "--name", f"cli-{sid}").stdout.strip()
         assert snap in aenv(server, "snapshot", "ls", "--sandbox-id", sid).stdout
+        # Its lifecycle setting: set, shown, refused when not seconds, back to the node's.
+        set_out = aenv(server, "template", "set", snap, "--standby-after", "7.5").stdout
+        assert set_out == f"{snap}\tstandby-after=7.5\n"
+        bad = aenv(server, "template", "set", snap, "--standby-after", "soon", check=False)
+        assert bad.returncode == 1 and len(bad.stderr.splitlines()) == 1
+        reset = aenv(server, "template", "set", snap, "--standby-after", "node").stdout
+        assert reset == f"{snap}\tstandby-after=node\n"
         kids = aenv(server, "fork", sid, "--count", "2").stdout.split()
         assert len(kids) == 2
         for k in kids:

@@ -39,9 +39,10 @@ _API_STATE: dict[State, ApiState] = {
 }
 
 
-def api_state(state: State) -> ApiState | None:
-    """The E2B state of a record, or None when the sandbox is gone as far as clients know."""
-    return _API_STATE.get(state)
+def api_state(r: SandboxRecord) -> ApiState | None:
+    """The E2B state of a record, or None when the sandbox is gone as far as clients know.
+    A sandbox the node put on disk from standby is still running to its user."""
+    return "running" if r.in_standby_on_disk else _API_STATE.get(r.state)
 
 
 # --------------------------------------------------------------------------------------------

@@ -183,7 +183,7 @@ class NodeDetail(Node):
     def of(cls, n: NodeInfo) -> NodeDetail:
         listed = []
         for r in n.sandboxes:
-            state = api_state(r.state)
+            state = api_state(r)
             # Not the warm pool's (creating, for no one yet) nor the gone.
             if state is not None and r.state in LIVE_STATES:
                 listed.append(ListedSandbox.from_record(r, state))

@@ -403,6 +403,44 @@ def build(
     print(done["templateID"])
 
 
+def template_set(
+    ctx: typer.Context,
+    template: Annotated[str, typer.Argument(metavar="ID|NAME", help="The template.")],
+    standby_after: Annotated[
+        str,
+        typer.Option(
+            "--standby-after",
+            metavar="SECONDS|node",
+            help="Seconds idle before its sandboxes go to standby (0: never; node: the "
+            "node's AENV_STANDBY_AFTER). A create's own standbyAfter wins.",
+        ),
+    ],
+) -> None:
+    """Change a template's lifecycle settings; prints them.
+
+    Examples:
+
+    ```
+    aenv template set my-app --standby-after 30
+    aenv template set my-app --standby-after node
+    ```
+    """
+    seconds: float | None = None
+    if standby_after != "node":
+        try:
+            seconds = float(standby_after)
+        except ValueError:
+            seconds = -1.0
+        if seconds < 0:
+            raise CliError(f"--standby-after: {standby_after!r} is not seconds (>= 0) or 'node'")
+    with state_of(ctx).control() as cp:
+        done = cp.request(
+            "PATCH", f"/templates/{url_segment(template)}", json={"standbyAfter": seconds}
+        ).json()
+    shown = "node" if done.get("standbyAfter") is None else f"{done['standbyAfter']:g}"
+    print(f"{done['templateID']}\tstandby-after={shown}")
+
+
 def template_rm(
     ctx: typer.Context,
     templates: Annotated[

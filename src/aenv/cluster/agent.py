@@ -40,7 +40,7 @@ def advertise_url(settings: Settings) -> str:
 def roster_entry(r: SandboxRecord) -> RosterEntry:
     p = r.paused
     return RosterEntry(
-        state="paused" if r.state is SandboxState.PAUSED else "running",
+        state="paused" if r.shown_paused else "running",
         tier=None if r.tier is None else r.tier.value,
         # Published hibernations only: what another node can take over.
         image=p.image if r.tier is not None and p is not None and p.published else None,

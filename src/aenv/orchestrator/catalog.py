@@ -58,6 +58,7 @@ def record_to_json(r: SandboxRecord) -> str:
             "paused_at": r.paused.paused_at.isoformat(),
             "image": r.paused.image,
             "published": r.paused.published,
+            "standby": r.paused.standby,
         }
     return json.dumps(d)
 
@@ -86,6 +87,7 @@ def record_from_json(doc: str) -> SandboxRecord:
             paused_at=datetime.fromisoformat(p["paused_at"]),
             image=p.get("image"),
             published=bool(p.get("published")),
+            standby=bool(p.get("standby")),
         )
     if d.get("pending") is not None:
         d["pending"] = PendingOp(**d["pending"])

@@ -109,7 +109,8 @@ class Orchestrator:
         self._bundle = bundle
         envd = envd or EnvdClient()
         self._envd = envd
-        budget = settings.max_memory_mb or int(_host_memory_mb() * 0.9)
+        base = settings.max_memory_mb or int(_host_memory_mb() * 0.9)
+        budget = int(base * settings.memory_overcommit)
         self._table = table = SandboxTable(catalog, budget, settings.max_sandboxes)
         self._templates = templates = TemplateRegistry(
             catalog, storage, durable, runtime.image_complete
@@ -118,12 +119,13 @@ class Orchestrator:
         booter = Booter(ctx, table, runtime, storage, envd, bundle, volumes)
         self._snapshotter = snapshotter = Snapshotter(ctx, table, booter, runtime, templates)
         self._boot_snapshots = boot = BootSnapshots(ctx, table, booter, snapshotter, templates)
-        self._idle = idle = IdleTracker(ctx, table, runtime)
+        self._pauser = pauser = Pauser(ctx, table, booter, runtime, templates)
+        self._idle = idle = IdleTracker(ctx, table, runtime, pauser)
+        table.room_maker = idle.make_room
         pool = WarmPool(ctx, table, booter, templates, boot, idle)
         self._sandboxes = sandboxes = Sandboxes(
             ctx, table, booter, templates, pool, boot, runtime, storage, volumes
         )
-        self._pauser = pauser = Pauser(ctx, table, booter, runtime, templates)
         self._forker = Forker(ctx, table, snapshotter, sandboxes, templates)
         self._liveness = liveness = Liveness(table, runtime, booter)
         recovery = Recovery(ctx, table, runtime, booter, storage, templates)
@@ -206,7 +208,8 @@ class Orchestrator:
         return r
 
     async def kill(self, sandbox_id: str) -> None:
-        await self._idle.wake(sandbox_id)  # out of standby: frozen tasks die only thawed
+        # Out of standby (frozen tasks die only thawed); one on disk is killed there.
+        await self._idle.wake(sandbox_id, restore=False)
         with self._stats.observe("kill", sandbox_id):
             await self._sandboxes.kill(sandbox_id)
 
@@ -246,7 +249,8 @@ class Orchestrator:
         # envd's journal is not read first (a request into the sandbox would cost pause
         # more than the freeze): a frozen or hibernated envd keeps it for the next read
         # after resume; a paused sandbox's logs are those read before it paused.
-        await self._idle.wake(sandbox_id)  # a napping sentry would stop slower
+        # A napping sentry would stop slower; one in standby on disk is paused there.
+        await self._idle.wake(sandbox_id, restore=False)
         with self._stats.observe("pause", sandbox_id):
             await self._pauser.pause(
                 sandbox_id, memory, timings, require_healthy_guest=require_healthy_guest
@@ -438,6 +442,14 @@ class Orchestrator:
     ) -> None:
         """Adds or replaces a template (see TemplateRegistry.register)."""
         await self._templates.register(rec, publish=publish, exact_names=exact_names)
+
+    async def set_template_standby(self, id_or_name: str, seconds: float | None) -> TemplateRecord:
+        """Seconds idle before standby for the template's new sandboxes that set none
+        (None: the node's `AENV_STANDBY_AFTER`; 0: never)."""
+        rec = await self._templates.get(id_or_name)
+        rec.standby_after = seconds
+        await self._templates.update(rec)
+        return rec
 
     async def delete_template(self, template_id: str) -> None:
         rec = await self._templates.get(template_id)

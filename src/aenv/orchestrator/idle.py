@@ -14,6 +14,12 @@ kept). To its user it is still running: listed and shown as running, its timeout
 metrics go on, and the next request of any kind thaws it (a few ms) before it is forwarded.
 A sandbox whose background job does anything is never frozen.
 
+**Standby on disk**: one in standby for `standby_disk_after` seconds more is hibernated (its
+memory released; `Pauser.to_disk`), still running to its user; its next request restores it
+first. Sooner when memory is short: a create or resume that the budget cannot hold sends the
+sandboxes in standby that had no request for longest to disk (`make_room`), so a node holds
+as many running as memory allows and the rest on disk.
+
 No timer of its own: it is told of requests as they come and of CPU use by the sampler's
 one round over all sandboxes, so an idle node does no per-sandbox work for it."""
 
@@ -27,6 +33,7 @@ from datetime import datetime, timedelta
 from ..domain import SandboxRecord, SandboxState
 from ..runtime.base import Instance, Runtime
 from .context import NodeContext
+from .pausing import Pauser
 from .table import SandboxTable
 
 log = logging.getLogger("aenv.orchestrator")
@@ -40,6 +47,8 @@ WAKE_CPU = 0.02
 CALM_CPU = 0.002
 # After a nap ended because the sandbox worked: no nap again for this long.
 BUSY_HOLD = timedelta(seconds=60)
+# Standby sandboxes checkpointed to disk at once by the sampler's rounds (each a burst of CPU).
+DISK_MOVES = 2
 
 
 @dataclass
@@ -47,16 +56,21 @@ class _Idle:
     last_request: datetime
     napping: Instance | None = None
     frozen: Instance | None = None  # in standby
+    frozen_at: datetime | None = None
     hold_until: datetime | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class IdleTracker:
-    def __init__(self, ctx: NodeContext, table: SandboxTable, runtime: Runtime) -> None:
+    def __init__(
+        self, ctx: NodeContext, table: SandboxTable, runtime: Runtime, pauser: Pauser
+    ) -> None:
         self.ctx = ctx
         self.table = table
         self.runtime = runtime
+        self.pauser = pauser
         self._state: dict[str, _Idle] = {}
+        self._disk_moves = asyncio.Semaphore(DISK_MOVES)
 
     @property
     def nap_after(self) -> float:
@@ -85,10 +99,15 @@ class IdleTracker:
         """A request for the sandbox came: its idle time starts again."""
         self._of(sandbox_id).last_request = self.ctx.now()
 
-    async def wake(self, sandbox_id: str) -> None:
-        """A request is about to reach the sandbox: standby and nap, if any, end first."""
+    async def wake(self, sandbox_id: str, *, restore: bool = True) -> None:
+        """A request is about to reach the sandbox: standby and nap, if any, end first; one
+        in standby on disk is restored (`restore=False`: left there, for a kill or pause)."""
         s = self._of(sandbox_id)
         s.last_request = self.ctx.now()
+        r = self.table.find(sandbox_id)
+        if restore and r is not None and r.in_standby_on_disk:
+            await self.pauser.connect(sandbox_id, None)
+            return
         if s.napping is None and s.frozen is None:
             return
         async with s.lock:
@@ -114,9 +133,15 @@ class IdleTracker:
         if self.nap_after <= 0 or r.instance is None:
             return
         s = self._of(r.sandbox_id)
-        if s.frozen is not None or s.lock.locked():
+        if s.lock.locked():
             return
         now = self.ctx.now()
+        if s.frozen is not None:
+            disk_after = self.ctx.settings.standby_disk_after
+            since = s.frozen_at or now
+            if disk_after > 0 and (now - since).total_seconds() >= disk_after:
+                self.ctx.spawn(self._to_disk_soon(r.sandbox_id))
+            return
         quiet = (now - s.last_request).total_seconds()
         if s.napping is not None:
             if cpu_cores > WAKE_CPU:
@@ -149,8 +174,46 @@ class IdleTracker:
             except Exception as e:
                 log.debug("standby of %s: %s", r.sandbox_id, e)
                 return
-            s.frozen = inst
+            s.frozen, s.frozen_at = inst, self.ctx.now()
         log.info("sandbox %s in standby (frozen until its next request)", r.sandbox_id)
+
+    async def _to_disk_soon(self, sandbox_id: str) -> None:
+        async with self._disk_moves:
+            await self._to_disk(sandbox_id)
+
+    async def _to_disk(self, sandbox_id: str) -> bool:
+        """Hibernates a sandbox still in standby; whether it went."""
+        s = self._state.get(sandbox_id)
+        if s is None or s.frozen is None:
+            return False
+        async with s.lock:
+            inst = s.frozen
+            if inst is None:
+                return False
+            try:
+                went = await self.pauser.to_disk(sandbox_id, inst)
+            except Exception as e:  # still frozen, in standby: its next request thaws it
+                log.warning("standby of %s to disk: %s", sandbox_id, e)
+                return False
+            if went:
+                s.frozen = s.frozen_at = s.napping = None
+            return went
+
+    async def make_room(self, memory_mb: int) -> None:
+        """Frees `memory_mb` of the node's budget if it can: sandboxes in standby go to disk,
+        those without a request for longest first."""
+        freed = 0
+        standby = sorted(
+            (s.last_request, sandbox_id)
+            for sandbox_id, s in self._state.items()
+            if s.frozen is not None and not s.lock.locked()
+        )
+        for _, sandbox_id in standby:
+            if freed >= memory_mb:
+                return
+            r = self.table.find(sandbox_id)
+            if r is not None and await self._to_disk(sandbox_id):
+                freed += r.memory_mb
 
     def forget(self, keep: set[str]) -> None:
         """Drops what is known of sandboxes not in `keep` (gone from the node)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from ..domain import SandboxRecord, SandboxState
@@ -64,7 +64,9 @@ class SandboxMetrics:
             del self._rings[gone]
         taken = []
         for r in records:
-            if r.state is SandboxState.RUNNING and r.instance is not None:
+            if r.in_standby_on_disk:
+                self._still(r)
+            elif r.state is SandboxState.RUNNING and r.instance is not None:
                 with sandbox_context(r.sandbox_id):
                     s = await self.sample(r)
                 if s is not None:
@@ -97,6 +99,13 @@ class SandboxMetrics:
             ring = self._rings[r.sandbox_id] = collections.deque(maxlen=self.ring_size)
         ring.append(s)
         return s
+
+    def _still(self, r: SandboxRecord) -> None:
+        """A sandbox in standby on disk is running to its user: its series goes on, idle, at
+        its last memory and disk."""
+        ring = self._rings.get(r.sandbox_id)
+        if ring:
+            ring.append(replace(ring[-1], at=self.ctx.now(), cpu_used_pct=0.0))
 
     def series(
         self, r: SandboxRecord, start: datetime | None = None, end: datetime | None = None

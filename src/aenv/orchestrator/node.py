@@ -80,7 +80,7 @@ class Node:
         """One round of the timers at the context's clock."""
         now = self.ctx.now()
         for r in self.table.all():
-            if r.end_at > now or r.state is not SandboxState.RUNNING:
+            if r.end_at > now or not (r.state is SandboxState.RUNNING or r.in_standby_on_disk):
                 continue
             with sandbox_context(r.sandbox_id):
                 await self._expire(r)

@@ -17,7 +17,7 @@ import hmac
 import json
 import logging
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 from .. import crashpoint
@@ -35,7 +35,7 @@ from ..domain import (
     Upstream,
 )
 from ..errors import Conflict, Forbidden, SandboxNotFound, Unavailable
-from ..runtime.base import Runtime
+from ..runtime.base import Instance, Runtime
 from .boot import Booter
 from .catalog import record_to_json
 from .context import NodeContext, check_timeout
@@ -77,6 +77,12 @@ class Pauser:
         self.table.get(sandbox_id)
         async with self.table.lock(sandbox_id):
             r = self.table.get(sandbox_id)
+            if r.in_standby_on_disk:
+                # Already on disk, by the node: now paused by its user too.
+                assert r.paused is not None
+                r.paused = replace(r.paused, standby=False)
+                await self.table.save(r)
+                return
             if r.state is SandboxState.PAUSED:
                 raise Conflict(f"sandbox {sandbox_id!r} is already paused")
             if r.state is not SandboxState.RUNNING or r.instance is None:
@@ -168,12 +174,32 @@ class Pauser:
         except BaseException:
             r.pending = None
             raise
-        r.paused = PausedState(PauseTier.HIBERNATED, r.paused.paused_at, image=name)
+        r.paused = replace(r.paused, tier=PauseTier.HIBERNATED, image=name)
         r.pending = None
         await self.table.save(r)
         if self.templates.has_repository:
             self.ctx.spawn(self._publish_hibernation(r.sandbox_id, name))
         log.info("sandbox %s hibernated", r.sandbox_id)
+
+    async def to_disk(self, sandbox_id: str, inst: Instance) -> bool:
+        """Hibernates a sandbox in standby (its container `inst` frozen) for the idle
+        tracker: paused here, still running to its user, restored by its next request
+        (`connect`). Whether it went to disk."""
+        async with self.table.lock(sandbox_id):
+            r = self.table.find(sandbox_id)
+            if r is None or r.state is not SandboxState.RUNNING or r.instance != inst:
+                return False
+            r.paused = PausedState(PauseTier.FROZEN, self.ctx.now(), standby=True)
+            r.state = SandboxState.PAUSED
+            try:
+                await self._hibernate_locked(r, Timings())
+            except BaseException:
+                if r.instance is not None:  # not checkpointed: still frozen, in standby
+                    r.state, r.paused = SandboxState.RUNNING, None
+                    await self.table.save(r)
+                raise
+        log.info("sandbox %s in standby on disk (restored at its next request)", sandbox_id)
+        return True
 
     async def _publish_hibernation(
         self, sandbox_id: str, image: str, delay: float = PUBLISH_HIBERNATION_AFTER
@@ -252,6 +278,7 @@ class Pauser:
         assert r.paused is not None
         paused = r.paused
         if paused.tier is not PauseTier.FROZEN:
+            await self.table.make_room(r.memory_mb)
             self.table.reserve(r.memory_mb)
         r.state = SandboxState.RESUMING
         dropped: str | None = None
@@ -299,7 +326,13 @@ class Pauser:
             r = self.table.get(sandbox_id)
             resumed = False
             check_timeout(timeout, settings)
-            if r.state is SandboxState.PAUSED:
+            if r.in_standby_on_disk:
+                # Running to its user: restored, its timeout only ever extended.
+                await self._resume_locked(r, t)
+                if timeout is not None:
+                    r.end_at = max(r.end_at, self.ctx.now() + timedelta(seconds=timeout))
+                log.info("sandbox %s back from standby on disk", sandbox_id)
+            elif r.state is SandboxState.PAUSED:
                 assert r.paused is not None
                 if memory is False and r.paused.tier is not PauseTier.FILES:
                     # E2B's on_resume="reboot": drop the memory, keep the files.
@@ -345,7 +378,9 @@ class Pauser:
                 f"sandbox {sandbox_id!r} is private: send its traffic access token in "
                 "the e2b-traffic-access-token header"
             )
-        if r.state is not SandboxState.RUNNING:
+        if r.in_standby_on_disk:
+            await self.connect(sandbox_id, None)
+        elif r.state is not SandboxState.RUNNING:
             if not r.auto_resume:
                 raise SandboxNotFound(sandbox_id, state="paused")
             await self.connect(sandbox_id, max(300, self.ctx.settings.default_timeout))

@@ -109,11 +109,14 @@ class Recovery:
             self._lose(r, "its files were not found after the server stopped")
             return
         now = self.ctx.now()
+        # One the node put on disk from standby stays running to its user.
+        standby = r.paused is not None and r.paused.standby
         if whole:
             assert image is not None
-            r.paused = PausedState(PauseTier.HIBERNATED, now, image=await self._own_image(image))
+            image = await self._own_image(image)
+            r.paused = PausedState(PauseTier.HIBERNATED, now, image=image, standby=standby)
         else:
-            r.paused = PausedState(PauseTier.FILES, now)
+            r.paused = PausedState(PauseTier.FILES, now, standby=standby)
         r.state = SandboxState.PAUSED
         what = "its container did not survive" if op is None else f"its {op.kind} was cut short"
         log.warning("sandbox %s: %s; it is paused (%s)", r.sandbox_id, what, r.paused.tier)

@@ -7,7 +7,7 @@ import asyncio
 import builtins
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -59,6 +59,8 @@ class Sandboxes:
         t = timings or Timings()
         s = self.ctx.settings
         tpl = await self.templates.get(req.template_id)
+        if req.standby_after is None and tpl.standby_after is not None:
+            req = replace(req, standby_after=tpl.standby_after)
         timeout = s.default_timeout if req.timeout is None else req.timeout
         check_timeout(timeout, s)
         if tpl.has_memory:
@@ -85,6 +87,7 @@ class Sandboxes:
         if not admitted:
             self.booter.check_queue()
         self.check_free_disk()
+        await self.table.make_room(mem)
         self.table.reserve(mem)
         boot = None if mounts else self.boot_snapshots.for_shape(tpl, cpu, mem)
         r = self.booter.new_record(

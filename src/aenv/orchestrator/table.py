@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from ..domain import HOLDS_MEMORY, LIVE_STATES, Quota, SandboxRecord, SandboxState
 from ..errors import NotFound, TooManyRequests, Unavailable
@@ -13,6 +13,10 @@ from .catalog import Catalog
 
 # States in which a sandbox id means nothing to its user.
 _HIDDEN = frozenset({SandboxState.KILLED, SandboxState.KILLING, SandboxState.CREATING})
+
+
+async def _no_room(_memory_mb: int) -> None:
+    return None
 
 
 class SandboxTable:
@@ -24,6 +28,15 @@ class SandboxTable:
         self._locks: dict[str, asyncio.Lock] = {}
         # An API key's quota by its name (the API sets it from its key store); no limits.
         self.quotas: Callable[[str], Quota | None] = lambda _owner: None
+        # Frees `n` MiB of the budget if it can (the idle tracker sends sandboxes in standby
+        # to disk); admission calls it before `reserve` when the budget is short.
+        self.room_maker: Callable[[int], Awaitable[None]] = _no_room
+
+    async def make_room(self, memory_mb: int) -> None:
+        """Before `reserve`: frees what the budget lacks for `memory_mb` more, if it can."""
+        short = self.memory_in_use() + memory_mb - self.memory_budget_mb
+        if short > 0:
+            await self.room_maker(short)
 
     def add(self, r: SandboxRecord) -> None:
         self._records[r.sandbox_id] = r
@@ -77,7 +90,7 @@ class SandboxTable:
         for r in self._records.values():
             if r.state not in LIVE_STATES:
                 continue
-            api_state = "paused" if r.state is SandboxState.PAUSED else "running"
+            api_state = "paused" if r.shown_paused else "running"
             if states and api_state not in states:
                 continue
             if template and template not in (r.template_id, r.alias):

@@ -94,11 +94,19 @@ class TemplateRegistry:
         old = await self.find(rec.template_id)
         if old is not None and old.template_id == rec.template_id:
             await asyncio.to_thread(self.storage.release, "template", rec.template_id)
+            if rec.standby_after is None:  # a rebuild keeps what its owner set
+                rec.standby_after = old.standby_after
         await asyncio.to_thread(self.storage.hold, "template", rec.template_id, rec.layers)
         await asyncio.to_thread(self.catalog.put_template, rec, exact_names=exact_names)
         if old is not None and old.checkpoint and old.checkpoint != rec.checkpoint:
             await self._remove_image_unless_shared(old.checkpoint, rec.template_id)
         if publish and self.durable is not None and not rec.internal:
+            self.durable.publish_later(rec)
+
+    async def update(self, rec: TemplateRecord) -> None:
+        """Stores a changed setting of a template (same layers and image), everywhere."""
+        await asyncio.to_thread(self.catalog.put_template, rec)
+        if self.durable is not None and not rec.internal:
             self.durable.publish_later(rec)
 
     async def delete(self, rec: TemplateRecord) -> None:

@@ -54,7 +54,7 @@ SERVER_TIMING_HEADER = "Server-Timing"
 
 
 def _visible_state(record: SandboxRecord) -> ApiState:
-    state = api_state(record.state)
+    state = api_state(record)
     if state is None:
         raise NotFound(f"sandbox {record.sandbox_id} not found")
     return state
@@ -70,7 +70,7 @@ def add_timing(response: Response, timings: Timings) -> None:
 def _listed(records: list[SandboxRecord], wanted: set[str]) -> list[tuple[SandboxRecord, ApiState]]:
     out = []
     for record in records:
-        state = api_state(record.state)
+        state = api_state(record)
         if state is not None and state in wanted:
             out.append((record, state))
     return out

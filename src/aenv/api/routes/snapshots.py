@@ -283,6 +283,28 @@ async def get_template(
     return {**body, "builds": [TemplateBuild.of(b).model_dump(mode="json") for b in builds]}
 
 
+class TemplateUpdate(_Request):
+    """E2B's `TemplateUpdateRequest` (`public`: one team here, so accepted and moot) and
+    aenv's lifecycle setting: `standbyAfter` seconds idle before standby for the template's
+    sandboxes that set none at create (null: the node's setting; 0: never)."""
+
+    public: bool | None = None
+    standby_after: float | None = Field(default=None, alias="standbyAfter", ge=0)
+
+
+@router.patch("/templates/{template_id:path}", summary="Update a template's settings")
+async def update_template(
+    template_id: str, body: TemplateUpdate, orchestrator: OrchestratorDep
+) -> dict[str, Any]:
+    found = await orchestrator.find_template(template_id)
+    if found is None or found.internal:
+        raise NotFound(f"template {template_id!r} not found")
+    rec = found
+    if "standby_after" in body.model_fields_set:
+        rec = await orchestrator.set_template_standby(found.template_id, body.standby_after)
+    return {"templateID": owner_of(rec), "standbyAfter": rec.standby_after}
+
+
 @router.delete(
     "/templates/{template_id:path}",
     status_code=204,
