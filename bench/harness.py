@@ -31,6 +31,9 @@ from .scenarios import ServerRows
 from .scenarios_lifecycle import RUNNING_ROWS
 from .server import BenchServer, build_base, remove_home
 from .stats import Results
+from .thousand import ENV as THOUSAND_ENV
+from .thousand import ROWS as THOUSAND_ROWS
+from .thousand import Thousand
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 LOCK_PATH = Path("/run/lock/aenv-bench.lock")
@@ -283,6 +286,28 @@ class Run:
             else:
                 await self.finish_api(api)
 
+    async def thousand_phase(self) -> None:
+        """1,000 sandboxes on a server of its own (bench/thousand.py)."""
+        rows = [r for r in THOUSAND_ROWS if self.want(r)]
+        if not rows:
+            return
+        if self.opts.url:
+            self.results.missing(rows, "needs a server the bench starts (its own settings)")
+            return
+        try:
+            server = await self.start_server("thousand", THOUSAND_ENV)
+        except RuntimeError as exc:
+            self.results.missing(rows, f"the server did not start: {_first_line(exc)}")
+            return
+        self.config["thousand_server"] = {"env": THOUSAND_ENV}
+        api = self.api(server.url, server.api_key)
+        pid = server.proc.pid if server.proc else None
+        try:
+            step = Thousand(api, pid, self.results, self.plan, self.progress)
+            await self.guard(rows, "thousand", step.run)
+        finally:
+            await self.stop_server(server, api)
+
     async def baseline_phase(self) -> None:
         if not self.opts.baseline:
             return
@@ -389,6 +414,7 @@ async def _run(opts: Options, progress: Progress | None) -> dict[str, Any]:
     try:
         await r.timed("main_phase", r.main_phase)
         await r.timed("cold_phase", r.cold_phase)
+        await r.timed("thousand_phase", r.thousand_phase)
         await r.timed("baseline_phase", r.baseline_phase)
     finally:
         await asyncio.shield(r.cleanup())

@@ -176,6 +176,12 @@ ROWS: tuple[Row, ...] = (
         unit="mc",
         target=Target("p50", 1),
     ),
+    Row("thousand_create", "create, the 101st to 1,000th on the node (each)"),
+    Row("thousand_list", "list sandboxes, 1,000 present (standby ones included)"),
+    Row("thousand_exec", "a command each, 1,000 present (most restored from disk)"),
+    Row("thousand_kill", "kill each of 1,000"),
+    Row("thousand_node_rss_mib", "server RSS, 1,000 sandboxes on the node", unit="MiB"),
+    Row("thousand_mem_per_sandbox_mib", "machine memory per sandbox of 1,000", unit="MiB"),
     Row("idle_sandbox_rss_mib", "idle sandbox host RSS", unit="MiB"),
     Row(
         "idle_sandbox_pss_mib",

@@ -11,6 +11,8 @@ from ..domain import HOLDS_MEMORY, LIVE_STATES, Quota, SandboxRecord, SandboxSta
 from ..errors import NotFound, TooManyRequests, Unavailable
 from .catalog import Catalog
 
+# Seconds a create refused for memory is told to wait (Retry-After).
+MEMORY_RETRY_AFTER = 5
 # States in which a sandbox id means nothing to its user.
 _HIDDEN = frozenset({SandboxState.KILLED, SandboxState.KILLING, SandboxState.CREATING})
 
@@ -135,7 +137,9 @@ class SandboxTable:
                 )
         used = self.memory_in_use()
         if used + memory_mb > self.memory_budget_mb:
+            # Sandboxes end, pause or go to standby all the time: worth another try soon.
             raise Unavailable(
                 f"not enough memory on this node: {used} MiB of {self.memory_budget_mb} MiB "
-                f"in use, {memory_mb} MiB requested"
+                f"in use, {memory_mb} MiB requested",
+                retry_after=MEMORY_RETRY_AFTER,
             )
