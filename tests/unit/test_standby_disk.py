@@ -6,6 +6,7 @@ template's setting applies to its sandboxes."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,21 @@ async def test_a_templates_standby_setting_applies_to_its_sandboxes(tmp_path: Pa
         assert frozen(h, opted) and not frozen(h, own)
         await h.orch.set_template_standby("base", None)
         assert (await h.orch.template("base")).standby_after is None
+
+
+async def test_creates_at_once_past_the_budget_each_get_room(tmp_path: Path) -> None:
+    async for h in started(
+        tmp_path,
+        nap_after=5.0,
+        standby_after=5.0,
+        standby_disk_after=0.0,
+        max_memory_mb=2048,
+        sandbox_pool_size=0,
+    ):
+        idle = [await h.orch.create(CreateRequest(memory_mb=512)) for _ in range(4)]
+        await idle_for(h, 20)
+        assert all(frozen(h, r) for r in idle)
+        made = await asyncio.gather(
+            *(h.orch.create(CreateRequest(memory_mb=512)) for _ in range(4))
+        )
+        assert len(made) == 4 and all(on_disk(h, r) for r in idle)

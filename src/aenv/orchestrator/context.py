@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from ..background import Background
 from ..config import Settings
 from ..domain import utcnow
 from ..errors import BadRequest
@@ -31,7 +32,7 @@ class NodeContext:
     draining: bool = False
     # Tells this run of the node from earlier ones (boot snapshots are made anew each run).
     run_id: str = field(default_factory=lambda: secrets.token_hex(8))
-    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    _tasks: Background = field(default_factory=Background)
     _stop_listeners: list[Callable[[str], None]] = field(default_factory=list)
 
     def now(self) -> datetime:
@@ -54,17 +55,13 @@ class NodeContext:
     ) -> asyncio.Task[Any]:
         """Runs `coro` in the background; the node waits for it at shutdown. `detached`:
         work for no sandbox in particular (its log lines do not carry the caller's)."""
-        task = asyncio.create_task(
+        return self._tasks.spawn(
             coro, name=name, context=contextvars.Context() if detached else None
         )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     async def join(self) -> None:
         """Waits for every background task (at shutdown, and in tests)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._tasks.join()
 
 
 def check_timeout(timeout: int | None, settings: Settings) -> None:

@@ -199,9 +199,9 @@ class IdleTracker:
                 s.frozen = s.frozen_at = s.napping = None
             return went
 
-    async def make_room(self, memory_mb: int) -> None:
+    async def make_room(self, memory_mb: int) -> int:
         """Frees `memory_mb` of the node's budget if it can: sandboxes in standby go to disk,
-        those without a request for longest first."""
+        those without a request for longest first. How many MiB it freed."""
         freed = 0
         standby = sorted(
             (s.last_request, sandbox_id)
@@ -210,10 +210,11 @@ class IdleTracker:
         )
         for _, sandbox_id in standby:
             if freed >= memory_mb:
-                return
+                break
             r = self.table.find(sandbox_id)
             if r is not None and await self._to_disk(sandbox_id):
                 freed += r.memory_mb
+        return freed
 
     def forget(self, keep: set[str]) -> None:
         """Drops what is known of sandboxes not in `keep` (gone from the node)."""

@@ -177,7 +177,8 @@ class Pauser:
         r.paused = replace(r.paused, tier=PauseTier.HIBERNATED, image=name)
         r.pending = None
         await self.table.save(r)
-        if self.templates.has_repository:
+        # Not one in standby: hundreds may go to disk and back; a drain still publishes it.
+        if self.templates.has_repository and not r.paused.standby:
             self.ctx.spawn(self._publish_hibernation(r.sandbox_id, name))
         log.info("sandbox %s hibernated", r.sandbox_id)
 
@@ -278,8 +279,7 @@ class Pauser:
         assert r.paused is not None
         paused = r.paused
         if paused.tier is not PauseTier.FROZEN:
-            await self.table.make_room(r.memory_mb)
-            self.table.reserve(r.memory_mb)
+            await self.table.admit(r.memory_mb)
         r.state = SandboxState.RESUMING
         dropped: str | None = None
         try:

@@ -87,8 +87,7 @@ class Sandboxes:
         if not admitted:
             self.booter.check_queue()
         self.check_free_disk()
-        await self.table.make_room(mem)
-        self.table.reserve(mem)
+        await self.table.admit(mem)
         boot = None if mounts else self.boot_snapshots.for_shape(tpl, cpu, mem)
         r = self.booter.new_record(
             tpl,

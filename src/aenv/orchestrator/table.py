@@ -11,14 +11,16 @@ from ..domain import HOLDS_MEMORY, LIVE_STATES, Quota, SandboxRecord, SandboxSta
 from ..errors import NotFound, TooManyRequests, Unavailable
 from .catalog import Catalog
 
+# Rounds of making room for one admission before it is refused.
+ADMIT_TRIES = 8
 # Seconds a create refused for memory is told to wait (Retry-After).
 MEMORY_RETRY_AFTER = 5
 # States in which a sandbox id means nothing to its user.
 _HIDDEN = frozenset({SandboxState.KILLED, SandboxState.KILLING, SandboxState.CREATING})
 
 
-async def _no_room(_memory_mb: int) -> None:
-    return None
+async def _no_room(_memory_mb: int) -> int:
+    return 0
 
 
 class SandboxTable:
@@ -30,15 +32,18 @@ class SandboxTable:
         self._locks: dict[str, asyncio.Lock] = {}
         # An API key's quota by its name (the API sets it from its key store); no limits.
         self.quotas: Callable[[str], Quota | None] = lambda _owner: None
-        # Frees `n` MiB of the budget if it can (the idle tracker sends sandboxes in standby
-        # to disk); admission calls it before `reserve` when the budget is short.
-        self.room_maker: Callable[[int], Awaitable[None]] = _no_room
+        # Frees up to `n` MiB of the budget if it can (the idle tracker sends sandboxes in
+        # standby to disk) and says how much it freed; `admit` calls it when the budget is short.
+        self.room_maker: Callable[[int], Awaitable[int]] = _no_room
 
-    async def make_room(self, memory_mb: int) -> None:
-        """Before `reserve`: frees what the budget lacks for `memory_mb` more, if it can."""
-        short = self.memory_in_use() + memory_mb - self.memory_budget_mb
-        if short > 0:
-            await self.room_maker(short)
+    async def admit(self, memory_mb: int) -> None:
+        """`reserve`, after making room for `memory_mb` more if the budget is short. Others
+        admitted meanwhile may take the room made: it tries again while room is being made."""
+        for _ in range(ADMIT_TRIES):
+            short = self.memory_in_use() + memory_mb - self.memory_budget_mb
+            if short <= 0 or await self.room_maker(short) <= 0:
+                break
+        self.reserve(memory_mb)
 
     def add(self, r: SandboxRecord) -> None:
         self._records[r.sandbox_id] = r

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from aenv.background import Background
 from aenv.config import Settings
 from aenv.domain import ENVD_PORT, EgressPolicy
 from aenv.errors import RuntimeFailure
@@ -20,18 +20,16 @@ from aenv.runtime import _proc, naps, netquiet, oci, priority, rootfs, runsc
 from aenv.runtime.base import Instance, Runtime, SandboxSpec, Stats
 from aenv.runtime.freezer import CGROUP_ROOT, Freezer
 from aenv.runtime.gvisor import bundles, control
-from aenv.runtime.gvisor.container import OVERLAY_MEMORY, Container
+from aenv.runtime.gvisor.container import OVERLAY_MEMORY, Container, new_container_id
+from aenv.runtime.gvisor.guarding import ContainerGuards
 from aenv.runtime.gvisor.processes import Processes
 from aenv.runtime.gvisor.reconcile import Reconciler
 from aenv.runtime.gvisor.stats import StatsReader, exit_cause
-from aenv.runtime.memguard import MemoryGuard
 from aenv.runtime.network import Network, Slot, SlotAddressing, SlotPool
 from aenv.runtime.rootfs import RootfsMounts
 from aenv.runtime.runsc import Runsc, gather_quiet
 
 log = logging.getLogger("aenv.runtime")
-
-_MAX_SOCKET_PATH = 107  # runsc's control socket `<root>/runsc-<id>.sock` (sun_path)
 
 
 class GVisorRuntime(Runtime):
@@ -65,11 +63,10 @@ class GVisorRuntime(Runtime):
         self._busy: set[str] = set()
         self._subreaper = False
         self._reaper: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = Background(on_failure=_log_failure)
         self._started = False
-        # Set by `on_memory_pressure`: then every running container is guarded.
-        self._memguard: MemoryGuard | None = None
-        self._pressure: Callable[[Instance], None] | None = None
+        # Armed once someone listens (`on_memory_pressure`).
+        self.guards = ContainerGuards(self._live.get)
 
     # Lifecycle of the backend ------------------------------------------------------------
 
@@ -89,7 +86,7 @@ class GVisorRuntime(Runtime):
         for c in recovered.values():
             c.cgroup = c.cgroup or self.procs.cgroup(c.id)
             if not c.stopped:
-                self._guard(c)
+                self.guards.arm(c)
         self._live = dict(recovered)
         self.pool.start(reserved={c.slot for c in recovered.values()})
         if self._subreaper and self._reaper is None:
@@ -99,8 +96,7 @@ class GVisorRuntime(Runtime):
 
     async def close(self) -> None:
         self._started = False
-        if self._memguard is not None:
-            self._memguard.close()
+        self.guards.close()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -122,8 +118,7 @@ class GVisorRuntime(Runtime):
 
     async def wait_idle(self) -> None:
         """Awaits the background work started so far (the rest of destroys)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._tasks.join()
 
     async def purge(self) -> None:
         """Removes every trace of this prefix/home from the host: containers, slots, mounts,
@@ -187,14 +182,14 @@ class GVisorRuntime(Runtime):
                 if await asyncio.to_thread(self.runsc.sandbox_state_file, cid) is not None:
                     # Not deleted yet (see stop) or its delete failed: the slot is ours, the
                     # id is not free. The old container is deleted once this one runs.
-                    cid = self._new_cid(spec.sandbox_id)
+                    cid = new_container_id(spec.sandbox_id, self.settings.runsc_root)
                 slot = self.addressing.slot(held.slot)
                 # Always rewritten: the slot keeps whatever rules it had before the stop.
                 net = asyncio.create_task(
                     self._ready_slot(slot.index, spec.egress or EgressPolicy(), rearm=True)
                 )
             else:
-                cid = self._new_cid(spec.sandbox_id)
+                cid = new_container_id(spec.sandbox_id, self.settings.runsc_root)
                 slot = await self.pool.acquire()
                 if spec.egress is not None and not spec.egress.is_open:
                     net = asyncio.create_task(
@@ -230,7 +225,7 @@ class GVisorRuntime(Runtime):
                 self._busy.discard(held.id)
         if held is not None and held.id != cid:
             self._spawn(self._discard_container(held))
-        self._guard(c)
+        self.guards.arm(c)
         log.info(
             "%s %s in slot %d at %s%s: %.0f ms (runsc %.0f ms)",
             "restored" if image_dir else "created",
@@ -249,15 +244,6 @@ class GVisorRuntime(Runtime):
         if rearm:
             await self.network.rearm(n)
         await self.network.apply_egress(n, policy)
-
-    def _new_cid(self, sandbox_id: str) -> str:
-        cid = f"{sandbox_id}-{secrets.token_hex(4)}"
-        if len(str(self.settings.runsc_root / f"runsc-{cid}.sock")) > _MAX_SOCKET_PATH:
-            raise RuntimeFailure(
-                f"sandbox id {sandbox_id!r} too long for a runsc control socket under "
-                f"{self.settings.runsc_root}"
-            )
-        return cid
 
     def _claim_stopped(self, reuse: Instance, spec: SandboxSpec) -> Container:
         """The runtime's own record of the stopped instance `reuse`, marked busy."""
@@ -354,7 +340,7 @@ class GVisorRuntime(Runtime):
         if cid in self._busy:
             raise RuntimeFailure(f"container {cid} is busy")
         self._busy.add(cid)
-        self._unguard(cid)
+        self.guards.disarm(cid)
         t0 = time.perf_counter()
         try:
             # After a checkpoint the sandbox exits by itself; its `runsc delete` is left to
@@ -391,7 +377,7 @@ class GVisorRuntime(Runtime):
         owned = held is not None
         c = held if held is not None else self._parse(inst)
         self._destroying.add(cid)
-        self._unguard(cid)
+        self.guards.disarm(cid)
         if not c.stopped:
             try:
                 self.procs.kill_sandbox(c)
@@ -462,7 +448,7 @@ class GVisorRuntime(Runtime):
         )
         if not leave_running:
             # The sandbox exits, though `runsc state` may still say running for a while.
-            self._unguard(c.id)
+            self.guards.disarm(c.id)
             c.checkpointed = True
             c.write_to(inst)
         log.info(
@@ -470,22 +456,7 @@ class GVisorRuntime(Runtime):
         )
 
     def on_memory_pressure(self, listener: Callable[[Instance], None]) -> None:
-        self._pressure = listener
-        if self._memguard is None:
-            self._memguard = MemoryGuard(self._pressed)
-
-    def _pressed(self, cid: str) -> None:
-        c = self._live.get(cid)
-        if c is not None and self._pressure is not None and not c.stopped:
-            self._pressure(c.handle())
-
-    def _guard(self, c: Container) -> None:
-        if self._memguard is not None and c.cgroup:
-            self._memguard.arm(c.id, c.cgroup, c.memory_mb * 1024 * 1024)
-
-    def _unguard(self, cid: str) -> None:
-        if self._memguard is not None:
-            self._memguard.disarm(cid)
+        self.guards.listen(listener)
 
     async def nap(self, inst: Instance, on: bool) -> None:
         c = self._view(inst)
@@ -518,11 +489,7 @@ class GVisorRuntime(Runtime):
         await self.network.apply_egress(held.slot, policy)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(_log_failure)
-        return task
+        return self._tasks.spawn(coro)
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
@@ -531,6 +498,5 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
-def _log_failure(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("background runtime task failed: %s", task.exception())
+def _log_failure(exc: BaseException) -> None:
+    log.warning("background runtime task failed: %s", exc)

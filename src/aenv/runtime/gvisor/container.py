@@ -7,11 +7,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aenv.domain import Instance
+from aenv.errors import RuntimeFailure
 from aenv.runtime.base import SandboxSpec
 from aenv.runtime.network import Slot
 
@@ -20,6 +22,20 @@ OVERLAY_NONE = "none"  # rootfs writes to the host overlay's upper dir
 
 INSTANCE_FILE = "instance.json"
 _PATH_FIELDS = ("bundle_dir", "upper", "workdir", "rootfs_mount")
+
+
+_MAX_SOCKET_PATH = 107  # runsc's control socket `<root>/runsc-<id>.sock` (sun_path)
+
+
+def new_container_id(sandbox_id: str, runsc_root: Path) -> str:
+    """A fresh container id for a sandbox (one per boot), refused when its control socket's
+    path would not fit."""
+    cid = f"{sandbox_id}-{secrets.token_hex(4)}"
+    if len(str(runsc_root / f"runsc-{cid}.sock")) > _MAX_SOCKET_PATH:
+        raise RuntimeFailure(
+            f"sandbox id {sandbox_id!r} too long for a runsc control socket under {runsc_root}"
+        )
+    return cid
 
 
 @dataclass
