@@ -140,3 +140,17 @@ async def test_by_default_the_queue_holds_what_waits_up_to_max_queue_wait(
             await h.orch.create(CreateRequest())  # ~2 s to wait: refused
         assert refused.value.retry_after is not None and refused.value.retry_after >= 2
         assert [r.state for r in await asyncio.gather(first, second)] == [SandboxState.RUNNING] * 2
+
+
+async def test_a_draining_node_refuses_a_fork_like_a_create(node: Harness) -> None:
+    parent = await node.orch.create(CreateRequest())
+    # What a drain sets first (the move itself needs a repository: the cluster's tests).
+    node.orch._ctx.draining = True
+    with pytest.raises(Unavailable, match="draining"):
+        await node.orch.create(CreateRequest())
+    with pytest.raises(Unavailable, match="draining"):
+        await node.orch.fork(parent.sandbox_id, 2)
+    assert [r.sandbox_id for r in node.orch.list()] == [parent.sandbox_id]
+    node.orch.undrain()
+    children = await node.orch.fork(parent.sandbox_id, 2)
+    assert all(c.error is None for c in children)

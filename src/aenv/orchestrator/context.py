@@ -14,7 +14,7 @@ from typing import Any
 from ..background import Background
 from ..config import Settings
 from ..domain import utcnow
-from ..errors import BadRequest
+from ..errors import BadRequest, Unavailable
 
 log = logging.getLogger("aenv.orchestrator")
 
@@ -37,6 +37,11 @@ class NodeContext:
 
     def now(self) -> datetime:
         return self.clock()
+
+    def check_taking(self) -> None:
+        """Refuses (503) a new sandbox — a create's or a fork child's — on a draining node."""
+        if self.draining:
+            raise Unavailable("this node is draining: it takes no new sandboxes")
 
     def on_stopped(self, listener: Callable[[str], None]) -> None:
         """`listener(sandbox_id)` runs whenever a sandbox's processes end (kill, loss, a

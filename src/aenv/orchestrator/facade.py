@@ -49,7 +49,7 @@ from ..domain import (
     Upstream,
 )
 from ..envd.files import file_signature
-from ..errors import AenvError, BadRequest, Conflict, Unavailable
+from ..errors import AenvError, BadRequest, Conflict
 from ..images.cache import holder
 from ..images.pull import PulledImage, pull
 from ..runtime.base import Runtime
@@ -194,8 +194,6 @@ class Orchestrator:
         return self._table.list(metadata=metadata, states=states, template=template)
 
     async def create(self, req: CreateRequest, timings: Timings | None = None) -> SandboxRecord:
-        if self._ctx.draining:
-            raise Unavailable("this node is draining: it takes no new sandboxes")
         with self._stats.observe("create"):
             r = await self._sandboxes.create(req, timings)
         self._logs.note(

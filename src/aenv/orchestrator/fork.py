@@ -56,6 +56,7 @@ class Forker:
             raise BadRequest(f"count must be between 1 and {MAX_CHILDREN}")
         check_timeout(timeout, self.ctx.settings)
         self.table.get(sandbox_id)
+        self.ctx.check_taking()  # before the parent is touched, as below
         # All children or none: refused before the parent is touched when they would not
         # fit the boot queue; once admitted they queue like any create.
         self.sandboxes.booter.check_queue(count)

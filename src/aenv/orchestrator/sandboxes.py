@@ -57,6 +57,7 @@ class Sandboxes:
         """A new running sandbox. `admitted`: the boot queue was checked for it already (a
         fork's children, all at once)."""
         t = timings or Timings()
+        self.ctx.check_taking()
         s = self.ctx.settings
         tpl = await self.templates.get(req.template_id)
         if req.standby_after is None and tpl.standby_after is not None:
