@@ -214,6 +214,15 @@ class IdleTracker:
             r = self.table.find(sandbox_id)
             if r is not None and await self._to_disk(sandbox_id):
                 freed += r.memory_mb
+        if not freed:
+            napping = sum(1 for s in self._state.values() if s.napping is not None)
+            log.info(
+                "no room for %d MiB: of %d sandboxes in standby none could go to disk "
+                "(%d napping)",
+                memory_mb,
+                len(standby),
+                napping,
+            )
         return freed
 
     def forget(self, keep: set[str]) -> None:

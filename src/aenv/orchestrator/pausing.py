@@ -48,6 +48,8 @@ log = logging.getLogger("aenv.orchestrator")
 PUBLISH_HIBERNATION_AFTER = 5.0
 # Where a hibernation's template document keeps the sandbox's own record.
 SANDBOX_RECORD = "sandbox_record"
+# Seconds a sandbox in standby on disk waits for memory to be restored into.
+STANDBY_ROOM_PATIENCE = 30.0
 # Seconds a strict pause (E2B `requireHealthyGuest`) waits for envd's health check.
 GUEST_CHECK_TIMEOUT = 2.0
 
@@ -188,7 +190,9 @@ class Pauser:
         (`connect`). Whether it went to disk."""
         async with self.table.lock(sandbox_id):
             r = self.table.find(sandbox_id)
-            if r is None or r.state is not SandboxState.RUNNING or r.instance != inst:
+            mine = r is not None and r.instance is not None and r.instance.id == inst.id
+            if r is None or r.state is not SandboxState.RUNNING or not mine:
+                log.info("sandbox %s left in standby in memory: it changed meanwhile", sandbox_id)
                 return False
             r.paused = PausedState(PauseTier.FROZEN, self.ctx.now(), standby=True)
             r.state = SandboxState.PAUSED
@@ -279,7 +283,10 @@ class Pauser:
         assert r.paused is not None
         paused = r.paused
         if paused.tier is not PauseTier.FROZEN:
-            await self.table.admit(r.memory_mb)
+            # A request to a sandbox in standby on disk waits a while for room rather than
+            # fail: it is running to its user, the node chose to put it there.
+            patience = STANDBY_ROOM_PATIENCE if paused.standby else 0.0
+            await self.table.admit(r.memory_mb, patience=patience)
         r.state = SandboxState.RESUMING
         dropped: str | None = None
         try:

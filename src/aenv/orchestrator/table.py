@@ -13,6 +13,8 @@ from .catalog import Catalog
 
 # Rounds of making room for one admission before it is refused.
 ADMIT_TRIES = 8
+# Seconds between looks for room while an admission is patient.
+ADMIT_WAIT = 0.25
 # Seconds a create refused for memory is told to wait (Retry-After).
 MEMORY_RETRY_AFTER = 5
 # States in which a sandbox id means nothing to its user.
@@ -36,13 +38,25 @@ class SandboxTable:
         # standby to disk) and says how much it freed; `admit` calls it when the budget is short.
         self.room_maker: Callable[[int], Awaitable[int]] = _no_room
 
-    async def admit(self, memory_mb: int) -> None:
+    async def admit(self, memory_mb: int, *, patience: float = 0.0) -> None:
         """`reserve`, after making room for `memory_mb` more if the budget is short. Others
-        admitted meanwhile may take the room made: it tries again while room is being made."""
-        for _ in range(ADMIT_TRIES):
+        admitted meanwhile may take the room made: it tries again while room is being made,
+        and for `patience` seconds more while none can be (sandboxes end, pause and go to
+        standby all the time)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + patience
+        made = 0
+        while True:
             short = self.memory_in_use() + memory_mb - self.memory_budget_mb
-            if short <= 0 or await self.room_maker(short) <= 0:
+            if short <= 0:
                 break
+            if await self.room_maker(short) > 0:
+                made += 1
+                if made < ADMIT_TRIES:
+                    continue  # made, but maybe taken by another admission: look again
+            if loop.time() >= deadline:
+                break
+            await asyncio.sleep(ADMIT_WAIT)
         self.reserve(memory_mb)
 
     def add(self, r: SandboxRecord) -> None:
