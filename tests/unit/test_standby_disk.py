@@ -147,3 +147,26 @@ async def test_creates_at_once_past_the_budget_each_get_room(tmp_path: Path) -> 
             *(h.orch.create(CreateRequest(memory_mb=512)) for _ in range(4))
         )
         assert len(made) == 4 and all(on_disk(h, r) for r in idle)
+
+
+async def test_a_request_to_one_on_disk_waits_for_room_rather_than_fail(tmp_path: Path) -> None:
+    async for h in started(
+        tmp_path,
+        nap_after=5.0,
+        standby_after=5.0,
+        standby_disk_after=0.0,
+        max_memory_mb=1024,
+        sandbox_pool_size=0,
+    ):
+        sleeper = await h.orch.create(CreateRequest(memory_mb=512))
+        await idle_for(h, 20)
+        busy = [
+            await h.orch.create(CreateRequest(memory_mb=512, standby_after=0)) for _ in range(2)
+        ]
+        assert on_disk(h, sleeper)
+        back = asyncio.create_task(h.orch.resolve(sleeper.sandbox_id, ENVD_PORT))
+        await asyncio.sleep(0.5)
+        assert not back.done()  # no room: nothing in standby to move
+        await h.orch.kill(busy[0].sandbox_id)
+        await asyncio.wait_for(back, 5)
+        assert not on_disk(h, sleeper)

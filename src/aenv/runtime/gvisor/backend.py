@@ -436,6 +436,9 @@ class GVisorRuntime(Runtime):
         t0 = time.perf_counter()
         # A frozen sandbox is checkpointed as it stands: runsc stops its tasks first thing.
         await asyncio.to_thread(self.procs.unfreeze, c.id, c.cgroup)
+        # Awake: a napping sentry's timers lag by up to a second, and the barrier below
+        # must come back within one (without it the restored copy's network may wedge).
+        await asyncio.to_thread(naps.set_slack, c.cgroup, 0)
         state = self.runsc.sandbox_state_file(c.id)
         # Before the hold (the sentry's own pause, kept by a leave-running checkpoint): the
         # drop ends with a round trip through the running sandbox.
