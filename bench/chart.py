@@ -144,7 +144,7 @@ def _bar_panel(ax: Any, rows: list[Bar], unit: str, *, log: bool) -> None:
             ax.text(
                 end * (1.1 if log else 1.0) + (0 if log else hi * 0.012),
                 y - 0.2,
-                fmt_value(b.ours, unit),
+                fmt_value(b.ours, b.unit),
                 va="center",
                 fontsize=7,
             )
@@ -296,7 +296,10 @@ def render(doc: dict[str, Any], out: Path) -> Path:
     if n_other:
         ax_mib = fig.add_subplot(grid[1, 0])
         units = sorted({b.unit for b in other})
-        _bar_panel(ax_mib, other, "/".join(units), log=False)
+        # Rows of several units (MiB, mc, s...) share the axis: each is labelled with its own,
+        # on a log scale so that 0.5 mc and 100 MiB both show.
+        mixed = len(units) > 1
+        _bar_panel(ax_mib, other, "each row's unit" if mixed else units[0], log=mixed)
     ax_scale = fig.add_subplot(grid[:, 1] if n_other else grid[0, 1])
     _scale_panel(ax_scale, doc)
     handles = [
