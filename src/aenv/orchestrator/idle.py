@@ -220,8 +220,7 @@ class IdleTracker:
         if not freed:
             napping = sum(1 for s in self._state.values() if s.napping is not None)
             log.info(
-                "no room for %d MiB: of %d sandboxes in standby none could go to disk "
-                "(%d napping)",
+                "no room for %d MiB: of %d sandboxes in standby none could go to disk (%d napping)",
                 memory_mb,
                 len(standby),
                 napping,
