@@ -23,6 +23,8 @@ from .egress import is_domain_entry as is_domain_entry
 
 # The port envd listens on inside every sandbox (E2B's).
 ENVD_PORT = 49983
+# The template a create names none of: Debian with envd (`make run` builds it).
+DEFAULT_TEMPLATE = "base"
 
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 # Characters a Server-Timing metric name (an HTTP token) cannot hold.
@@ -187,7 +189,7 @@ class Quota:
 
 @dataclass
 class CreateRequest:
-    template_id: str = "base"
+    template_id: str = DEFAULT_TEMPLATE
     timeout: int | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)

@@ -26,7 +26,7 @@ from starlette.types import ASGIApp
 
 from ..config import Settings
 from ..console import browser_redirect, console_routes
-from ..domain import Upstream
+from ..domain import DEFAULT_TEMPLATE, Upstream
 from ..errors import AenvError, BadRequest, NotFound, SandboxNotFound
 from ..proxy._common import ROUTING_HEADERS, Scope
 from ..proxy.dispatch import Route as SandboxRoute
@@ -116,7 +116,7 @@ class Gateway:
         body = await request.body()
         doc = _json(body)
         place = Placement(
-            template_id=str(doc.get("templateID") or doc.get("image") or "base"),
+            template_id=str(doc.get("templateID") or doc.get("image") or DEFAULT_TEMPLATE),
             cpu_count=int(doc.get("cpuCount") or self.settings.default_cpu_count),
             memory_mb=int(doc.get("memoryMB") or self.settings.default_memory_mb),
         )

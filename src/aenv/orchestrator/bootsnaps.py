@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ..domain import SandboxState, TemplateRecord, Timings
+from ..domain import DEFAULT_TEMPLATE, SandboxState, TemplateRecord, Timings
 from .boot import Booter
 from .context import NodeContext
 from .snapshots import Snapshotter
@@ -24,7 +24,6 @@ log = logging.getLogger("aenv.orchestrator")
 BootKey = tuple[str, int]
 # Shapes of sandbox a node keeps boot snapshots of (each ~20 MiB of memory image).
 MAX_BOOT_SNAPSHOTS = 8
-DEFAULT_TEMPLATE = "base"
 
 
 @dataclass

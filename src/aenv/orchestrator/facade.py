@@ -37,6 +37,7 @@ import httpx
 
 from ..config import Settings
 from ..domain import (
+    DEFAULT_TEMPLATE,
     ENVD_PORT,
     LIVE_STATES,
     CreateRequest,
@@ -79,7 +80,6 @@ from .storage import SandboxStorage
 from .table import SandboxTable
 from .templates import TemplateRegistry
 
-DEFAULT_TEMPLATE = "base"
 _ENDED = (SandboxState.KILLED, SandboxState.LOST)
 
 log = logging.getLogger("aenv.orchestrator")

@@ -10,7 +10,14 @@ import logging
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
-from ..domain import CreateRequest, SandboxRecord, SandboxState, TemplateRecord, Timings
+from ..domain import (
+    DEFAULT_TEMPLATE,
+    CreateRequest,
+    SandboxRecord,
+    SandboxState,
+    TemplateRecord,
+    Timings,
+)
 from ..errors import AenvError
 from .boot import Booter, envd_token, traffic_token
 from .bootsnaps import BootSnapshots
@@ -23,7 +30,6 @@ log = logging.getLogger("aenv.orchestrator")
 
 # Seconds between handing out a pool sandbox and booting its replacement.
 REFILL_DELAY = 0.75
-DEFAULT_TEMPLATE = "base"
 
 
 @dataclass
