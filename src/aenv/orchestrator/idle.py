@@ -197,6 +197,7 @@ class IdleTracker:
                 went = await self.pauser.to_disk(sandbox_id, inst)
             except Exception as e:  # still frozen, in standby: its next request thaws it
                 log.warning("standby of %s to disk: %s", sandbox_id, e)
+                s.frozen_at = self.ctx.now()  # the timer's next try after as long again
                 return False
             if went:
                 s.frozen = s.frozen_at = s.napping = None
