@@ -66,7 +66,8 @@ class GVisorRuntime(Runtime):
         self._tasks = Background(on_failure=_log_failure)
         self._started = False
         # Armed once someone listens (`on_memory_pressure`).
-        self.guards = ContainerGuards(self._live.get)
+        # Looked up at each signal: `start` replaces the table of live containers.
+        self.guards = ContainerGuards(lambda cid: self._live.get(cid))
 
     # Lifecycle of the backend ------------------------------------------------------------
 
