@@ -7,6 +7,7 @@ template's setting applies to its sandboxes."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,19 @@ async def idle_for(h: Harness, seconds: float) -> None:
         h.clock.advance(5)
         await h.orch.sample()
         await h.orch.settle()
+
+
+def short_of_memory(tmp_path: Path, budget_mb: int) -> AsyncIterator[Harness]:
+    """A node of `budget_mb` without a warm pool, whose sandboxes go to standby soon and to
+    disk only when memory is short."""
+    return started(
+        tmp_path,
+        nap_after=5.0,
+        standby_after=5.0,
+        standby_disk_after=0.0,
+        max_memory_mb=budget_mb,
+        sandbox_pool_size=0,
+    )
 
 
 def on_disk(h: Harness, r: SandboxRecord) -> bool:
@@ -93,14 +107,7 @@ async def test_a_create_the_budget_cannot_hold_sends_the_longest_idle_to_disk(
     tmp_path: Path,
 ) -> None:
     # Room for 3 of 512 MiB; no timer of its own would move them to disk (0: never).
-    async for h in started(
-        tmp_path,
-        nap_after=5.0,
-        standby_after=5.0,
-        standby_disk_after=0.0,
-        max_memory_mb=1536,
-        sandbox_pool_size=0,
-    ):
+    async for h in short_of_memory(tmp_path, 1536):
         first = await h.orch.create(CreateRequest(memory_mb=512))
         await idle_for(h, 5)
         second = await h.orch.create(CreateRequest(memory_mb=512))
@@ -132,14 +139,7 @@ async def test_a_templates_standby_setting_applies_to_its_sandboxes(tmp_path: Pa
 
 
 async def test_creates_at_once_past_the_budget_each_get_room(tmp_path: Path) -> None:
-    async for h in started(
-        tmp_path,
-        nap_after=5.0,
-        standby_after=5.0,
-        standby_disk_after=0.0,
-        max_memory_mb=2048,
-        sandbox_pool_size=0,
-    ):
+    async for h in short_of_memory(tmp_path, 2048):
         idle = [await h.orch.create(CreateRequest(memory_mb=512)) for _ in range(4)]
         await idle_for(h, 20)
         assert all(frozen(h, r) for r in idle)
@@ -150,14 +150,7 @@ async def test_creates_at_once_past_the_budget_each_get_room(tmp_path: Path) -> 
 
 
 async def test_a_request_to_one_on_disk_waits_for_room_rather_than_fail(tmp_path: Path) -> None:
-    async for h in started(
-        tmp_path,
-        nap_after=5.0,
-        standby_after=5.0,
-        standby_disk_after=0.0,
-        max_memory_mb=1024,
-        sandbox_pool_size=0,
-    ):
+    async for h in short_of_memory(tmp_path, 1024):
         sleeper = await h.orch.create(CreateRequest(memory_mb=512))
         await idle_for(h, 20)
         busy = [

@@ -190,9 +190,7 @@ class IdleTracker:
             inst = s.frozen
             if inst is None:
                 return False
-            if s.napping is not None:
-                s.napping = None
-                await self._nap(inst, False)  # a napping sentry would checkpoint slower
+            s.napping = None  # the runtime's checkpoint wakes the sentry first
             try:
                 went = await self.pauser.to_disk(sandbox_id, inst)
             except Exception as e:  # still frozen, in standby: its next request thaws it
