@@ -20,7 +20,10 @@ async def test_children_exit_statuses_arrive_without_a_thread_each() -> None:
         watch_children_by_pidfd()
         assert isinstance(asyncio.get_child_watcher(), asyncio.PidfdChildWatcher)
         threads = threading.active_count()
-        procs = [await asyncio.create_subprocess_exec("sh", "-c", f"sleep 0.3; exit {n}") for n in range(5)]
+        procs = [
+            await asyncio.create_subprocess_exec("sh", "-c", f"sleep 0.3; exit {n}")
+            for n in range(5)
+        ]
         assert threading.active_count() == threads
         assert [await p.wait() for p in procs] == [0, 1, 2, 3, 4]
     finally:

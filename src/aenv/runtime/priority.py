@@ -24,14 +24,23 @@ log = logging.getLogger("aenv.runtime")
 
 SANDBOX_SHARES = 256
 NODE_NICE = -10
+AUTOGROUP = Path("/proc/self/autogroup")
 
 
-def raise_node() -> None:
-    """This process (and the threads and children it makes from now on) at NODE_NICE."""
+def raise_node(autogroup: Path = AUTOGROUP) -> None:
+    """This process (and the threads and children it makes from now on) at NODE_NICE, and
+    its session's autogroup too where the kernel groups by session: there a nice counts only
+    inside the group, and each runsc command (a session of its own) is a group as heavy as
+    the whole node unless the node's group is raised."""
     try:
         os.setpriority(os.PRIO_PROCESS, 0, NODE_NICE)
     except OSError as e:  # not root: as before
         log.debug("node priority not raised: %s", e)
+    if autogroup.exists():
+        try:
+            autogroup.write_text(str(NODE_NICE))
+        except OSError as e:
+            log.debug("node autogroup not raised: %s", e)
 
 
 def as_work(pid: int) -> None:
