@@ -165,7 +165,7 @@ class RawRunsc:
 
     async def setup(self) -> None:
         from aenv.config import Settings
-        from aenv.runtime.bundle import ensure_bundle
+        from aenv.runtime.bundle_build import ensure_bundle
 
         for d in (
             self.root / "state",

@@ -37,6 +37,7 @@ from pydantic_settings import (
 )
 
 from .nodenet import node_network
+from .registries import normalize_registry
 
 GIB = 1 << 30
 _DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
@@ -53,10 +54,13 @@ def _split_list(value: Any) -> Any:
     return value
 
 
-def _default_aliases() -> dict[str, str]:
-    from .builds.aliases import DEFAULT_IMAGE_ALIASES
-
-    return DEFAULT_IMAGE_ALIASES
+# E2B's base image and the SDK's `from_base_image()`; E2B's code-interpreter image; a bare
+# `FROM base` (Docker Hub has no such image worth pulling; this node's default template).
+DEFAULT_IMAGE_ALIASES: dict[str, str] = {
+    "e2bdev/base": "base",
+    "base": "base",
+    "e2bdev/code-interpreter": "code-interpreter-v1",
+}
 
 
 class ImageSettings(BaseModel):
@@ -83,7 +87,7 @@ class ImageSettings(BaseModel):
     # FROM): image -> template name; an entry whose template does not exist is pulled as
     # usual. Env: JSON object or `image=template,...`. Default: builds/aliases.py.
     image_aliases: Annotated[dict[str, str], NoDecode] = Field(
-        default_factory=lambda: dict(_default_aliases())
+        default_factory=lambda: dict(DEFAULT_IMAGE_ALIASES)
     )
 
     # The layer cache: capacity in GiB (0 = unbounded) and watermarks as fractions of it.
@@ -116,8 +120,6 @@ class ImageSettings(BaseModel):
     @field_validator("insecure_registries", "search_registries", "allowed_registries")
     @classmethod
     def _hosts(cls, value: list[str]) -> list[str]:
-        from .images.reference import normalize_registry
-
         return [normalize_registry(v) for v in value]
 
     @model_validator(mode="after")

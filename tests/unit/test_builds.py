@@ -20,10 +20,10 @@ import pytest
 
 from aenv.api.app import create_control_app
 from aenv.builds import stack
-from aenv.builds.builder import split_name
 from aenv.builds.files import BuildFiles
 from aenv.builds.spec import BuildState, Step, apply_state_step, cache_key, parse_spec
 from aenv.builds.store import BuildReason, BuildRecord, BuildStore, LogEntry
+from aenv.builds.tags import split_name
 from aenv.config import Settings
 from aenv.domain import TemplateRecord
 from aenv.errors import BadRequest, Forbidden, NotFound

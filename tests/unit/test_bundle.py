@@ -13,7 +13,8 @@ import pytest
 
 from aenv.config import Settings
 from aenv.runtime import bundle_build
-from aenv.runtime.bundle import MOUNT, EnvdBundle, ensure_bundle, envd_source_dir
+from aenv.runtime.bundle import MOUNT, EnvdBundle, envd_source_dir
+from aenv.runtime.bundle_build import ensure_bundle
 
 
 @pytest.fixture(scope="module")

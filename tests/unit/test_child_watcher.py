@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from aenv.server import watch_children_by_pidfd
+from aenv.serving import watch_children_by_pidfd
 
 pytestmark = pytest.mark.skipif(sys.version_info >= (3, 12), reason="3.12 does it already")
 

@@ -20,7 +20,7 @@ from aenv.cli.main import app
 from aenv.config import Settings
 from aenv.errors import AenvError
 from aenv.keys import KeyStore
-from aenv.server import check_tls
+from aenv.serving import check_tls
 from tests.helpers import uvicorn_thread
 from tests.tls import make_certs
 from tests.unit.test_api import FakeOrchestrator

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from aenv.builds.aliases import DEFAULT_IMAGE_ALIASES, alias_for
+from aenv.builds.aliases import alias_for
 from aenv.builds.store import BuildStore
 from aenv.builds.tags import Tags, build_id_of, check_tags
-from aenv.config import Settings
+from aenv.config import DEFAULT_IMAGE_ALIASES, Settings
 from aenv.domain import TemplateKind, TemplateRecord
 from aenv.errors import BadRequest, NotFound
 from aenv.orchestrator.catalog import Catalog

@@ -13,14 +13,6 @@ from collections.abc import Mapping
 from ..errors import BadRequest
 from ..images.reference import Reference, parse_reference, split_reference
 
-# E2B's base image and the SDK's `from_base_image()`; E2B's code-interpreter image; a bare
-# `FROM base` (Docker Hub has no such image worth pulling; this node's default template).
-DEFAULT_IMAGE_ALIASES: dict[str, str] = {
-    "e2bdev/base": "base",
-    "base": "base",
-    "e2bdev/code-interpreter": "code-interpreter-v1",
-}
-
 
 def _parse(text: str) -> tuple[Reference, bool] | None:
     """The reference and whether it names a tag or digest of its own."""

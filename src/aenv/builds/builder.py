@@ -28,19 +28,11 @@ from .images import Images
 from .job import BUILD_PIN, META_BUILD, ActiveBuild, BuildFailed, BuildJob
 from .spec import parse_spec
 from .store import LEVELS, BuildReason, BuildRecord, BuildStore, LogEntry
-from .tags import DEFAULT_TAG, Tags, check_tags, owner_of
+from .tags import DEFAULT_TAG, Tags, check_tags, owner_of, split_name
 
 log = logging.getLogger("aenv.builds")
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$")
-
-
-def split_name(name: str) -> tuple[str, str | None]:
-    """`name:tag` -> (name, tag); a `:` inside a registry-like host part is not a tag."""
-    base, sep, tag = name.rpartition(":")
-    if sep and tag and "/" not in tag and base:
-        return base, tag
-    return name, None
 
 
 class Builder:

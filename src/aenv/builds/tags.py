@@ -33,6 +33,14 @@ PINNED_OF = "pinned_of"
 _UUID_NS = uuid.UUID("0d4c6f1e-5a0b-4f39-9a51-2f7c9f3c1a10")
 
 
+def split_name(name: str) -> tuple[str, str | None]:
+    """`name:tag` -> (name, tag); a `:` inside a registry-like host part is not a tag."""
+    base, sep, tag = name.rpartition(":")
+    if sep and tag and "/" not in tag and base:
+        return base, tag
+    return name, None
+
+
 def check_tags(tags: list[str]) -> list[str]:
     out: list[str] = []
     for t in tags:
@@ -69,8 +77,6 @@ def main_name(rec: TemplateRecord) -> str | None:
     name = rec.extra.get("name")
     if isinstance(name, str) and name:
         return name
-    from .builder import split_name
-
     plain = [n for n in rec.names if split_name(n)[1] is None]
     return plain[0] if plain else (rec.names[0] if rec.names else None)
 
@@ -110,8 +116,6 @@ class Tags:
         rec = await self.orch.find_template(template_id)
         if rec is None or rec.internal or rec.template_id != template_id:
             return []
-        from .builder import split_name
-
         name = main_name(rec)
         tags = [DEFAULT_TAG]
         for n in rec.names:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from ..api.listing import Cursor
+from ..paging import Cursor
 from .records import NodeRecord
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

@@ -7,7 +7,8 @@ import sys
 
 from ..config import Settings
 from ..logctx import configure as configure_logging
-from ..server import QuietServer, check_tls, uvicorn_config
+from ..proxy.ws import SERVER_OPTIONS as WS_SERVER_OPTIONS
+from ..serving import QuietServer, check_tls, uvicorn_config
 from .gateway import create_gateway_app
 
 
@@ -19,4 +20,4 @@ def serve_gateway(settings: Settings) -> None:
     print(
         f"aenv: gateway serving on {settings.url} (cluster {settings.redis_url})", file=sys.stderr
     )
-    QuietServer(uvicorn_config(app, settings)).run()
+    QuietServer(uvicorn_config(app, settings, WS_SERVER_OPTIONS)).run()

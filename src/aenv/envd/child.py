@@ -11,13 +11,11 @@ import asyncio
 import contextlib
 import os
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from . import journal
 from .rpc import Msg, RPCError, b64e
-
-if TYPE_CHECKING:
-    from .process import ProcessManager
 
 READ_CHUNK = 64 * 1024
 HIGH_WATER = 8 * 1024 * 1024  # pause reading when a subscriber has this much queued
@@ -74,8 +72,11 @@ class Subscriber:
 
 
 class Proc:
-    def __init__(self, mgr: ProcessManager, config: Msg, tag: str | None, pty: bool) -> None:
-        self.mgr = mgr
+    def __init__(
+        self, forget: Callable[[int], object], config: Msg, tag: str | None, pty: bool
+    ) -> None:
+        # Called with the pid once the process is gone and its output drained.
+        self.forget = forget
         self.loop = asyncio.get_running_loop()
         self.config = config
         self.tag = tag
@@ -186,7 +187,7 @@ class Proc:
                 await asyncio.wait_for(self.eof.wait(), EXIT_GRACE)
         self.paused = False
         self._drain_all()
-        self.mgr.procs.pop(self.pid, None)
+        self.forget(self.pid)
         for w in self.writers.values():
             w.close()
         self.writers.clear()

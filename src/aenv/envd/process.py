@@ -39,6 +39,9 @@ class ProcessManager:
         self.state = state
         self.procs: dict[int, Proc] = {}
 
+    def _forget(self, pid: int) -> None:
+        self.procs.pop(pid, None)
+
     def find(self, selector: object) -> Proc:
         sel = as_msg(selector, "process")
         if "pid" in sel:
@@ -91,7 +94,7 @@ class ProcessManager:
         config: Msg = {"cmd": cmd, "args": list(args), "envs": dict(envs)}
         if cwd_in:
             config["cwd"] = cwd_in
-        proc = Proc(self, config, tag, use_pty)
+        proc = Proc(self._forget, config, tag, use_pty)
         sub = proc.subscribe()
 
         argv = [_shell_fallback(cmd), *args]

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from ..errors import BadGateway, BadRequest, Unauthorized, Unavailable
-from .reference import normalize_registry
+from ..registries import normalize_registry
 
 log = logging.getLogger("aenv.images")
 

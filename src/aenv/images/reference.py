@@ -11,16 +11,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from ..config import ImageSettings
 from ..errors import BadRequest, Forbidden
-
-if TYPE_CHECKING:
-    from ..config import ImageSettings
-
-DOCKER_HUB = "docker.io"
-DOCKER_HUB_API = "registry-1.docker.io"
-_HUB_ALIASES = {"docker.io", "index.docker.io", "registry-1.docker.io", "registry.hub.docker.com"}
+from ..registries import DOCKER_HUB, DOCKER_HUB_API, normalize_registry
 
 _PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _PATH_RE = re.compile(rf"^{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*$")
@@ -79,20 +73,6 @@ class Reference:
         if self.digest:
             name += f"@{self.digest}"
         return name
-
-
-def normalize_registry(host: str) -> str:
-    """Canonical registry name: lower-case host, no scheme or path, Docker Hub aliases folded.
-
-    Accepts the key forms found in docker config files (`https://index.docker.io/v1/`)."""
-    h = host.strip()
-    for scheme in ("https://", "http://"):
-        if h.lower().startswith(scheme):
-            h = h[len(scheme) :]
-    h = h.split("/", 1)[0].lower()
-    if h in _HUB_ALIASES:
-        return DOCKER_HUB
-    return h
 
 
 def _is_domain(component: str) -> bool:

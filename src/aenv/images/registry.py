@@ -36,6 +36,7 @@ from ..errors import (
     Unauthorized,
     Unavailable,
 )
+from ..registries import DOCKER_HUB, DOCKER_HUB_API, normalize_registry
 from .auth import (
     Credential,
     RegistryAuth,
@@ -63,7 +64,7 @@ from .manifests import (
     is_digest,
     select_platform,
 )
-from .reference import DOCKER_HUB, Reference, normalize_registry
+from .reference import Reference
 
 log = logging.getLogger("aenv.images")
 
@@ -129,7 +130,7 @@ class RegistryClient:
     # --- addressing ---
     def base_url(self, registry: str) -> str:
         registry = normalize_registry(registry)
-        host = "registry-1.docker.io" if registry == DOCKER_HUB else registry
+        host = DOCKER_HUB_API if registry == DOCKER_HUB else registry
         scheme = "http" if registry in self._insecure else "https"
         return f"{scheme}://{host}"
 

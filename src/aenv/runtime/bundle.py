@@ -24,7 +24,8 @@ the image's own Python would pick up our PYTHONHOME.
 The directory name is a hash of the interpreter (path, version, binary size/mtime), the
 bundle format and the app's file contents: computing it reads only envd's few files, so
 `ensure_bundle` is fast when the bundle exists. A changed envd gives a new directory; old
-ones stay for sandboxes (and checkpoints) that still use them. `bundle_build.py` builds one.
+ones stay for sandboxes (and checkpoints) that still use them. `bundle_build.py` finds or
+builds one (`ensure_bundle`).
 """
 
 from __future__ import annotations
@@ -33,19 +34,15 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..config import Settings
 from ..domain import ENVD_PORT
 from ..errors import AenvError
-from ..fsutil import flock
 from .base import Mount
 
 MOUNT = "/opt/aenv"
@@ -206,9 +203,7 @@ def envd_source_dir() -> Path:
             return Path(spec.origin).parent
         if spec.submodule_search_locations:
             return Path(list(spec.submodule_search_locations)[0])
-    import aenv
-
-    return Path(aenv.__file__).parent / "envd"
+    return Path(__file__).resolve().parent.parent / "envd"
 
 
 def app_files(app_dir: Path) -> list[Path]:
@@ -236,39 +231,3 @@ def bundle_digest(interp: Interpreter, app_dir: Path) -> str:
         h.update(f"{rel}\0{len(data)}\0".encode())
         h.update(data)
     return h.hexdigest()[:16]
-
-
-# --- the bundle dir ------------------------------------------------------------------------
-
-
-def ensure_bundle(
-    settings: Settings, *, python: Path | None = None, app_dir: Path | None = None
-) -> EnvdBundle:
-    """The runtime bundle for the current interpreter (or `python`) and envd sources (or
-    `app_dir`), built under `settings.runtime_dir` when missing. Idempotent; when the
-    bundle exists this costs a stat and a hash of envd's sources (a few ms)."""
-    interp = current_interpreter() if python is None else probe_interpreter(python)
-    app = app_dir if app_dir is not None else envd_source_dir()
-    digest = bundle_digest(interp, app)
-    root = settings.runtime_dir
-    final = root / digest
-    if (final / "bundle.json").is_file():
-        return EnvdBundle.load(final)
-    # Building needs this module's definitions (what a bundle is); done at most once per
-    # envd change, so imported here rather than at the top (which would be a cycle).
-    from aenv.runtime.bundle_build import build_bundle
-
-    root.mkdir(parents=True, exist_ok=True)
-    with flock(root / f".lock-{digest}"):
-        if (final / "bundle.json").is_file():
-            return EnvdBundle.load(final)
-        for stale in root.glob(f".tmp-{digest}-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        work = root / f".tmp-{digest}-{uuid.uuid4().hex[:8]}"
-        try:
-            build_bundle(work, interp, app, digest)
-            os.rename(work, final)
-        finally:
-            if work.exists():
-                shutil.rmtree(work, ignore_errors=True)
-    return EnvdBundle.load(final)

@@ -1,4 +1,4 @@
-"""Building an envd bundle (see `bundle.py` for its layout): the stdlib trimmed, the binary
+"""Finding or building an envd bundle (see `bundle.py` for its layout): the stdlib trimmed, the binary
 and every shared library it needs copied, the app copied, everything precompiled with the
 bundled interpreter itself, then a self-test of the modules envd needs."""
 
@@ -12,11 +12,14 @@ import re
 import shutil
 import subprocess
 import time
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from aenv.runtime.bundle import (
+from ..config import Settings
+from ..fsutil import flock
+from .bundle import (
     APP_PACKAGE,
     BUNDLE_FORMAT,
     MOUNT,
@@ -24,6 +27,10 @@ from aenv.runtime.bundle import (
     EnvdBundle,
     Interpreter,
     app_files,
+    bundle_digest,
+    current_interpreter,
+    envd_source_dir,
+    probe_interpreter,
 )
 
 log = logging.getLogger("aenv.runtime")
@@ -278,3 +285,35 @@ def build_bundle(dest: Path, interp: Interpreter, app_dir: Path, digest: str) ->
     }
     (dest / "bundle.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
+
+
+# --- the bundle dir ------------------------------------------------------------------------
+
+
+def ensure_bundle(
+    settings: Settings, *, python: Path | None = None, app_dir: Path | None = None
+) -> EnvdBundle:
+    """The runtime bundle for the current interpreter (or `python`) and envd sources (or
+    `app_dir`), built under `settings.runtime_dir` when missing. Idempotent; when the
+    bundle exists this costs a stat and a hash of envd's sources (a few ms)."""
+    interp = current_interpreter() if python is None else probe_interpreter(python)
+    app = app_dir if app_dir is not None else envd_source_dir()
+    digest = bundle_digest(interp, app)
+    root = settings.runtime_dir
+    final = root / digest
+    if (final / "bundle.json").is_file():
+        return EnvdBundle.load(final)
+    root.mkdir(parents=True, exist_ok=True)
+    with flock(root / f".lock-{digest}"):
+        if (final / "bundle.json").is_file():
+            return EnvdBundle.load(final)
+        for stale in root.glob(f".tmp-{digest}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        work = root / f".tmp-{digest}-{uuid.uuid4().hex[:8]}"
+        try:
+            build_bundle(work, interp, app, digest)
+            os.rename(work, final)
+        finally:
+            if work.exists():
+                shutil.rmtree(work, ignore_errors=True)
+    return EnvdBundle.load(final)

@@ -13,9 +13,9 @@ from ..config import SnapshotSettings
 from ..images.layers import LayerStore
 from .cache import ImageCache
 from .errors import ArtifactError, ManifestCorrupt, ObjectNotFound, SnapshotNotFound
+from .guard import SweepGuard
 from .manifest import Manifest, check_id, manifest_key
 from .repos.base import Repository
-from .sweeping import SweepGuard
 
 # One logger for the store and its parts.
 log = logging.getLogger("aenv.snapshots.store")

@@ -1,0 +1,87 @@
+"""Serving one port with uvicorn, for a node and a gateway alike: the TLS files checked at
+start-up, the server loop's own wake-ups kept few, asyncio's child processes waited for on
+the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl
+import sys
+from typing import Any
+
+import uvicorn
+from starlette.types import ASGIApp
+
+from .config import Settings
+from .errors import AenvError
+
+
+def check_tls(settings: Settings) -> None:
+    """Loads the certificate and key once now, so a wrong path or a key that does not fit
+    the certificate is one clear line at start-up, not a traceback from uvicorn."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+            settings.tls_cert, settings.tls_key
+        )
+    except (OSError, ssl.SSLError) as exc:
+        raise AenvError(
+            f"cannot use AENV_TLS_CERT={settings.tls_cert} with AENV_TLS_KEY={settings.tls_key}: "
+            f"{getattr(exc, 'strerror', None) or exc}"
+        ) from None
+
+
+def watch_children_by_pidfd() -> None:
+    """Has asyncio wait for its child processes (runsc commands) through pidfds on the
+    running loop, as Python 3.12 does by default, instead of 3.11's thread per child: each
+    command's start cost the loop a thread start and GIL hand-offs (seen in a profile under
+    rollouts). Left as it is where the kernel or Python lacks pidfds."""
+    if sys.version_info >= (3, 12) or not hasattr(os, "pidfd_open"):
+        return
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:
+        return
+    watcher = asyncio.PidfdChildWatcher()
+    watcher.attach_loop(asyncio.get_running_loop())
+    asyncio.set_child_watcher(watcher)
+
+
+class QuietServer(uvicorn.Server):
+    """uvicorn, waking once a second instead of ten times to see whether to stop: an idle
+    node's own CPU is a cost per node (a stop is noticed within a second)."""
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        watch_children_by_pidfd()
+        await super().serve(sockets)
+
+    async def main_loop(self) -> None:
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + 10) % 864000  # on_tick's once-a-second work, every tick
+            await asyncio.sleep(1.0)
+            should_exit = await self.on_tick(counter)
+
+
+def uvicorn_config(app: ASGIApp, settings: Settings, ws_options: dict[str, Any]) -> uvicorn.Config:
+    """How a node and a gateway serve their one port (`ws_options`: the proxy's bounds on
+    a client's websocket, `proxy.ws.SERVER_OPTIONS`)."""
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=75,
+        # The proxy passes the sandbox's own headers through; uvicorn must not add a second set.
+        server_header=False,
+        date_header=False,
+        ssl_certfile=settings.tls_cert,
+        ssl_keyfile=settings.tls_key,
+        **ws_options,
+    )
