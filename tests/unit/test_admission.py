@@ -154,3 +154,21 @@ async def test_a_draining_node_refuses_a_fork_like_a_create(node: Harness) -> No
     node.orch.undrain()
     children = await node.orch.fork(parent.sandbox_id, 2)
     assert all(c.error is None for c in children)
+
+
+def _creates_counted(prometheus: bytes) -> float:
+    for line in prometheus.decode().splitlines():
+        if line.startswith('aenv_operation_seconds_count{op="create"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def test_a_forks_children_are_counted_and_logged_as_created(node: Harness) -> None:
+    parent = await node.orch.create(CreateRequest())
+    before = _creates_counted(await node.orch.prometheus())
+    children = await node.orch.fork(parent.sandbox_id, 2)
+    assert _creates_counted(await node.orch.prometheus()) == before + 2
+    for child in children:
+        assert child.sandbox is not None
+        messages = [e.message for e in await node.orch.logs(child.sandbox.sandbox_id)]
+        assert "sandbox created" in messages

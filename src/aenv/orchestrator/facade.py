@@ -116,6 +116,14 @@ class Orchestrator:
             catalog, storage, durable, runtime.image_complete
         )
         self._volumes = volumes = VolumeStore(settings.volumes_dir)
+        self._logs = logs = SandboxLogs(table, envd)
+        self._stats = stats = NodeStats(
+            table,
+            settings.home,
+            lambda: ctx.closing or ctx.draining,
+            cache_sizes(storage, durable),
+        )
+        stats.node_id = settings.cluster_node_id
         booter = Booter(ctx, table, runtime, storage, envd, bundle, volumes)
         self._snapshotter = snapshotter = Snapshotter(ctx, table, booter, runtime, templates)
         self._boot_snapshots = boot = BootSnapshots(ctx, table, booter, snapshotter, templates)
@@ -124,7 +132,7 @@ class Orchestrator:
         table.room_maker = idle.make_room
         pool = WarmPool(ctx, table, booter, templates, boot, idle)
         self._sandboxes = sandboxes = Sandboxes(
-            ctx, table, booter, templates, pool, boot, runtime, storage, volumes
+            ctx, table, booter, templates, pool, boot, runtime, storage, volumes, logs, stats
         )
         self._forker = Forker(ctx, table, snapshotter, sandboxes, templates)
         self._liveness = liveness = Liveness(table, runtime, booter)
@@ -133,14 +141,6 @@ class Orchestrator:
             ctx, table, runtime, templates, sandboxes, pauser, pool, envd, liveness, recovery
         )
         self._metrics = SandboxMetrics(ctx, table, runtime, storage)
-        self._logs = SandboxLogs(table, envd)
-        self._stats = NodeStats(
-            table,
-            settings.home,
-            lambda: ctx.closing or ctx.draining,
-            cache_sizes(storage, durable),
-        )
-        self._stats.node_id = settings.cluster_node_id
         OomGuard(ctx, table, runtime, envd, self._logs, self._stats)
         self._mover = Mover(ctx, table, booter, pauser, templates, storage)
         self._stats.service_instance_id = ctx.run_id
@@ -194,16 +194,7 @@ class Orchestrator:
         return self._table.list(metadata=metadata, states=states, template=template)
 
     async def create(self, req: CreateRequest, timings: Timings | None = None) -> SandboxRecord:
-        with self._stats.observe("create"):
-            r = await self._sandboxes.create(req, timings)
-        self._logs.note(
-            r.sandbox_id,
-            "sandbox created",
-            template=r.template_id,
-            cpuCount=r.cpu_count,
-            memoryMB=r.memory_mb,
-        )
-        return r
+        return await self._sandboxes.create(req, timings)
 
     async def kill(self, sandbox_id: str) -> None:
         # Out of standby (frozen tasks die only thawed); one on disk is killed there.

@@ -29,6 +29,8 @@ from ..volumes import VolumeStore
 from .boot import Booter
 from .bootsnaps import BootSnapshots
 from .context import NodeContext, check_timeout
+from .logs import SandboxLogs
+from .nodeinfo import NodeStats
 from .pool import WarmPool
 from .storage import SandboxStorage
 from .table import SandboxTable
@@ -50,13 +52,27 @@ class Sandboxes:
     runtime: Runtime
     storage: SandboxStorage
     volumes: VolumeStore
+    logs: SandboxLogs
+    stats: NodeStats
 
     async def create(
         self, req: CreateRequest, timings: Timings | None = None, *, admitted: bool = False
     ) -> SandboxRecord:
-        """A new running sandbox. `admitted`: the boot queue was checked for it already (a
-        fork's children, all at once)."""
-        t = timings or Timings()
+        """A new running sandbox, counted and logged as created, a fork's children too.
+        `admitted`: the boot queue was checked for it already (a fork's children, all at
+        once)."""
+        with self.stats.observe("create"):
+            r = await self._create(req, timings or Timings(), admitted)
+        self.logs.note(
+            r.sandbox_id,
+            "sandbox created",
+            template=r.template_id,
+            cpuCount=r.cpu_count,
+            memoryMB=r.memory_mb,
+        )
+        return r
+
+    async def _create(self, req: CreateRequest, t: Timings, admitted: bool) -> SandboxRecord:
         self.ctx.check_taking()
         s = self.ctx.settings
         tpl = await self.templates.get(req.template_id)
