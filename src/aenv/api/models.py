@@ -19,7 +19,7 @@ from pydantic import (
     model_serializer,
 )
 
-from aenv.domain import EgressPolicy, SandboxRecord
+from aenv.domain import DEFAULT_TEMPLATE, CreateRequest, EgressPolicy, MountRequest, SandboxRecord
 from aenv.domain import SandboxState as State
 from aenv.errors import BadRequest
 
@@ -111,10 +111,10 @@ class VolumeMountBody(_Request):
     read_only: bool = Field(default=False, alias="readOnly")
 
 
-class NewSandboxV2(_Request):
-    """Body of `POST /v2/sandboxes`."""
+class SandboxOptions(_Request):
+    """What every create body sets besides where the sandbox comes from (a template, an
+    image), turned into the orchestrator's request in one place (`to_request`)."""
 
-    template_id: str = Field(alias="templateID", min_length=1, max_length=255)
     timeout: int | None = Field(default=None, ge=0)
     auto_pause: bool | None = Field(default=None, alias="autoPause")
     auto_pause_memory: bool | None = Field(default=None, alias="autoPauseMemory")
@@ -133,6 +133,38 @@ class NewSandboxV2(_Request):
     volume_mounts: list[VolumeMountBody] | None = Field(
         default=None, alias="volumeMounts", max_length=16
     )
+
+    def to_request(self, owner: str | None, template_id: str = DEFAULT_TEMPLATE) -> CreateRequest:
+        """The orchestrator's request (`owner`: the API key's name, whose quota applies)."""
+        network = self.network or NetworkConfig()
+        return CreateRequest(
+            template_id=template_id,
+            timeout=self.timeout,
+            metadata=dict(self.metadata or {}),
+            env_vars=dict(self.env_vars or {}),
+            cpu_count=self.cpu_count,
+            memory_mb=self.memory_mb,
+            auto_pause=bool(self.auto_pause),
+            auto_pause_memory=self.auto_pause_memory is not False,
+            auto_resume=bool(self.auto_resume and self.auto_resume.enabled),
+            egress=network.policy(self.allow_internet_access),
+            public_traffic=network.allow_public_traffic is not False,
+            mask_request_host=network.mask_request_host or None,
+            volume_mounts=[
+                MountRequest(v.name, v.path, v.read_only) for v in self.volume_mounts or []
+            ],
+            owner=owner,
+            standby_after=self.standby_after,
+        )
+
+
+class NewSandboxV2(SandboxOptions):
+    """Body of `POST /v2/sandboxes`."""
+
+    template_id: str = Field(alias="templateID", min_length=1, max_length=255)
+
+    def request(self, owner: str | None) -> CreateRequest:
+        return self.to_request(owner, self.template_id)
 
 
 class NewSandbox(NewSandboxV2):

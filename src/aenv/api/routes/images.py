@@ -10,20 +10,19 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import Field
 
 from aenv.builds.images import Images
-from aenv.domain import CreateRequest, Timings
+from aenv.domain import Timings
 from aenv.errors import AenvError
 from aenv.images.pull import LayerProgress
 from aenv.orchestrator.context import check_timeout
 
-from ..auth import require_api_key
+from ..auth import key_name, require_api_key
 from ..deps import SettingsDep
-from ..inputs import EnvVars, Metadata
-from ..models import AutoResume, ErrorBody, NetworkConfig, Sandbox, _Request
+from ..models import ErrorBody, Sandbox, SandboxOptions, _Request
 from .builds import BuilderDep
 from .sandboxes import add_timing
 
@@ -48,19 +47,10 @@ class RegistryAuth(_Request):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
-class ColdSandbox(_Request):
+class ColdSandbox(SandboxOptions):
     """Body of `POST /sandboxes-cold`: `NewSandboxV2` with `image` instead of `templateID`."""
 
     image: str = Field(min_length=1, max_length=512)
-    timeout: int | None = Field(default=None, ge=0)
-    cpu_count: int | None = Field(default=None, alias="cpuCount", ge=1, le=16)
-    memory_mb: int | None = Field(default=None, alias="memoryMB", ge=128, le=65536)
-    metadata: Metadata | None = None
-    env_vars: EnvVars | None = Field(default=None, alias="envVars")
-    auto_pause: bool | None = Field(default=None, alias="autoPause")
-    auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
-    allow_internet_access: bool | None = None
-    network: NetworkConfig | None = None
     secure: bool | None = None  # ignored: every sandbox gets an envd access token
     registry: RegistryAuth | None = None
     # Start the image's Entrypoint+Cmd as a background process once the sandbox runs.
@@ -79,24 +69,13 @@ def get_images(builder: BuilderDep) -> Images:
 @router.post("/sandboxes-cold", status_code=201, summary="Create a sandbox from an OCI image")
 async def create_cold(
     body: ColdSandbox,
+    request: Request,
     response: Response,
     settings: SettingsDep,
     images: Images = Depends(get_images),
 ) -> Sandbox:
     check_timeout(body.timeout, settings)
-    network = body.network or NetworkConfig()
-    req = CreateRequest(
-        timeout=body.timeout,
-        metadata=dict(body.metadata or {}),
-        env_vars=dict(body.env_vars or {}),
-        cpu_count=body.cpu_count,
-        memory_mb=body.memory_mb,
-        auto_pause=bool(body.auto_pause),
-        auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
-        egress=network.policy(body.allow_internet_access),
-        public_traffic=network.allow_public_traffic is not False,
-        mask_request_host=network.mask_request_host or None,
-    )
+    req = body.to_request(key_name(request))
     timings = Timings()
     record = await images.cold_start(
         body.image,

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from pydantic import BeforeValidator
 
 from aenv.config import Settings
-from aenv.domain import CreateRequest, MountRequest, SandboxRecord, Timings
+from aenv.domain import SandboxRecord, Timings
 from aenv.errors import Conflict, NotFound
 from aenv.orchestrator import Orchestrator
 from aenv.orchestrator.context import check_timeout
@@ -28,7 +28,6 @@ from ..models import (
     ConnectSandbox,
     ConnectSandboxV2,
     ListedSandbox,
-    NetworkConfig,
     NetworkUpdate,
     NewSandbox,
     NewSandboxV2,
@@ -92,24 +91,7 @@ async def _create(
 ) -> Sandbox:
     check_timeout(body.timeout, settings)
     key = validate_key(key)
-    network = body.network or NetworkConfig()
-    req = CreateRequest(
-        template_id=body.template_id,
-        timeout=body.timeout,
-        metadata=dict(body.metadata or {}),
-        env_vars=dict(body.env_vars or {}),
-        cpu_count=body.cpu_count,
-        memory_mb=body.memory_mb,
-        auto_pause=bool(body.auto_pause),
-        auto_pause_memory=body.auto_pause_memory is not False,
-        auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
-        egress=network.policy(body.allow_internet_access),
-        public_traffic=network.allow_public_traffic is not False,
-        mask_request_host=network.mask_request_host or None,
-        volume_mounts=[MountRequest(v.name, v.path, v.read_only) for v in body.volume_mounts or []],
-        owner=owner,
-        standby_after=body.standby_after,
-    )
+    req = body.request(owner)
 
     async def create() -> tuple[Sandbox, str]:
         timings = Timings()

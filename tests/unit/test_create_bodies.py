@@ -1,0 +1,107 @@
+"""Every create body (v1 and v2 `POST /sandboxes`, `POST /sandboxes-cold`) becomes the
+orchestrator's `CreateRequest` through one conversion: each field a client sets reaches the
+request, and each request field a client may set has a body field."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from aenv.api.models import NewSandbox, NewSandboxV2, SandboxOptions
+from aenv.api.routes.images import ColdSandbox
+from aenv.domain import CreateRequest, EgressPolicy, MountRequest
+
+# A value other than the default for every option a create body carries.
+EVERY_OPTION: dict[str, Any] = {
+    "timeout": 77,
+    "autoPause": True,
+    "autoPauseMemory": False,
+    "autoResume": {"enabled": True},
+    "standbyAfter": 9,
+    "allow_internet_access": False,
+    "network": {
+        "allowOut": ["203.0.113.7"],
+        "denyOut": ["0.0.0.0/0"],
+        "dnsServers": ["203.0.113.53"],
+        "allowPublicTraffic": False,
+        "maskRequestHost": "app-${PORT}.example.test",
+    },
+    "metadata": {"team": "rl"},
+    "envVars": {"STEP": "1"},
+    "cpuCount": 3,
+    "memoryMB": 768,
+    "volumeMounts": [{"name": "data", "path": "/data", "readOnly": True}],
+}
+
+EXPECTED = CreateRequest(
+    timeout=77,
+    metadata={"team": "rl"},
+    env_vars={"STEP": "1"},
+    cpu_count=3,
+    memory_mb=768,
+    auto_pause=True,
+    auto_pause_memory=False,
+    auto_resume=True,
+    egress=EgressPolicy(
+        allow_internet=False,
+        allow_out=["203.0.113.7"],
+        deny_out=["0.0.0.0/0"],
+        dns_servers=["203.0.113.53"],
+    ).normalized(),
+    public_traffic=False,
+    mask_request_host="app-${PORT}.example.test",
+    volume_mounts=[MountRequest("data", "/data", True)],
+    owner="team-key",
+    standby_after=9,
+)
+
+# What a body names besides the options: where the sandbox comes from.
+SOURCES: list[tuple[type[SandboxOptions], dict[str, Any], str]] = [
+    (NewSandbox, {"templateID": "tpl-1", "secure": True}, "tpl-1"),
+    (NewSandboxV2, {"templateID": "tpl-1"}, "tpl-1"),
+    (ColdSandbox, {"image": "registry.test/app:1"}, CreateRequest().template_id),
+]
+
+
+def request_of(body: SandboxOptions) -> CreateRequest:
+    if isinstance(body, NewSandboxV2):
+        return body.request("team-key")
+    return body.to_request("team-key")
+
+
+@pytest.mark.parametrize(("model", "source", "template"), SOURCES)
+def test_every_option_of_each_body_reaches_the_request(
+    model: type[SandboxOptions], source: dict[str, Any], template: str
+) -> None:
+    body = model.model_validate({**source, **EVERY_OPTION})
+    assert request_of(body) == dataclasses.replace(EXPECTED, template_id=template)
+
+
+@pytest.mark.parametrize(("model", "source", "template"), SOURCES)
+@pytest.mark.parametrize("option", sorted(EVERY_OPTION))
+def test_each_option_alone_changes_the_request(
+    model: type[SandboxOptions], source: dict[str, Any], template: str, option: str
+) -> None:
+    plain = request_of(model.model_validate(source))
+    one = request_of(model.model_validate({**source, option: EVERY_OPTION[option]}))
+    assert one != plain, f"{model.__name__}.{option} does not reach the request"
+
+
+def test_every_request_field_a_client_may_set_has_a_body_option() -> None:
+    # All but template_id (named by each body its own way) differ from the defaults above,
+    # so a field added to CreateRequest fails here until a body sets it.
+    default = CreateRequest()
+    unset = [
+        f.name
+        for f in dataclasses.fields(CreateRequest)
+        if f.name != "template_id" and getattr(EXPECTED, f.name) == getattr(default, f.name)
+    ]
+    assert unset == []
+
+
+def test_the_options_are_the_same_fields_in_every_body() -> None:
+    options = set(SandboxOptions.model_fields)
+    for model, _, _ in SOURCES:
+        assert options <= set(model.model_fields)
