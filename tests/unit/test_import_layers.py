@@ -43,6 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "registries",
         "paging",
         "errors",
+        "sqlitedb",
         "fsutil",
         "logctx",
         "background",

@@ -8,7 +8,6 @@ Template tags (`template_tags`) point at ready builds; tags.py keeps the catalog
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from collections.abc import Iterable
@@ -16,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import sqlitedb
 from ..errors import BadRequest
-from ..fsutil import private_sqlite
 from .spec import BuildSpec, parse_spec
 
 _SCHEMA = """
@@ -162,11 +161,7 @@ def _from_row(row: tuple[Any, ...]) -> BuildRecord:
 
 class BuildStore:
     def __init__(self, path: Path) -> None:
-        private_sqlite(path)
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        self._db = sqlitedb.connect(path, _SCHEMA)
         self._lock = threading.Lock()
 
     def close(self) -> None:

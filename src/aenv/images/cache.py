@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from .. import sqlitedb
 from ..config import ImageSettings
 from ..errors import NotFound
-from ..fsutil import private_sqlite, rmtree
+from ..fsutil import rmtree
 from .layers import LayerInfo, LayerStore, parse_digest
 
 _SCHEMA = """
@@ -68,25 +69,6 @@ def _last_used(info: LayerInfo) -> float:
         return 0.0
 
 
-# Switching a new database to WAL wants it to itself and does not wait for a busy one: two
-# caches of one store (each `pull` may make its own) opening it first at once made one fail
-# with "database is locked". One lock for the process; a moment's retry for other processes.
-_PREPARE = threading.Lock()
-
-
-def _prepare(conn: sqlite3.Connection) -> None:
-    with _PREPARE:
-        for attempt in range(50):
-            try:
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.executescript(_SCHEMA)
-                return
-            except sqlite3.OperationalError as e:
-                if "locked" not in str(e) or attempt == 49:
-                    raise
-                time.sleep(0.1)
-
-
 class LayerCache:
     """References to and eviction of the layers of one `LayerStore`."""
 
@@ -101,18 +83,11 @@ class LayerCache:
     def _db(self) -> Iterator[sqlite3.Connection]:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is None:
-            if not self._ready:
-                private_sqlite(self.db_path)
-            conn = sqlite3.connect(
-                self.db_path, timeout=60, isolation_level=None, check_same_thread=False
-            )
-            # As the catalog: a WAL commit is not fsynced (an fsync per reference costs ms on
-            # the btrfs pool); a host crash may lose the last references, which the node takes
-            # again from its catalog at start-up (templates' and sandboxes' layers).
-            conn.execute("PRAGMA synchronous=NORMAL")
-            if not self._ready:
-                _prepare(conn)
-                self._ready = True
+            # A host crash may lose the last references (commits are not fsynced: one per
+            # reference cost ms on the btrfs pool); the node takes them again from its
+            # catalog at start-up (templates' and sandboxes' layers).
+            conn = sqlitedb.connect(self.db_path, None if self._ready else _SCHEMA, timeout=60)
+            self._ready = True
             self._local.conn = conn
         try:
             yield conn

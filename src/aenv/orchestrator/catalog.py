@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
 import threading
 from collections.abc import Iterable
 from dataclasses import asdict, fields
@@ -16,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from .. import sqlitedb
 from ..domain import (
     BootInfo,
     EgressPolicy,
@@ -28,7 +28,6 @@ from ..domain import (
     TemplateRecord,
     VolumeMount,
 )
-from ..fsutil import private_sqlite
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -103,12 +102,8 @@ def record_from_json(doc: str) -> SandboxRecord:
 
 class Catalog:
     def __init__(self, path: Path) -> None:
-        private_sqlite(path)  # it holds envd and traffic tokens
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(_SCHEMA)
+        # Private: it holds envd and traffic tokens.
+        self._db = sqlitedb.connect(path, _SCHEMA, foreign_keys=True)
         self._lock = threading.Lock()
 
     def close(self) -> None:
