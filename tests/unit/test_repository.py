@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from aenv.config import Compression, Settings, SnapshotSettings
+from aenv.config import Settings, SnapshotSettings
+from aenv.config.sections import Compression
 from aenv.errors import AenvError, NotFound
 from aenv.images.layers import LayerStore, tree_digest
 from aenv.snapshots.artifacts import pack_dir, unpack_dir

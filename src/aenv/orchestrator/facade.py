@@ -12,6 +12,7 @@ It composes the parts, each with one job, and only delegates:
     Forker          fork                                          (fork.py)
     TemplateRegistry catalog + layer holds + repository           (templates.py)
     SandboxMetrics  sampled CPU/memory/disk per sandbox           (metrics.py)
+    Sampler         the periodic sampling round, naps follow it   (sampling.py)
     SandboxLogs     node events + envd's journal per sandbox      (logs.py)
     IdleTracker     naps and standby of idle sandboxes            (idle.py)
     OomGuard        a process killed inside at the memory limit   (oom.py)
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import contextlib
 import hmac
 import logging
 import os
@@ -66,7 +66,7 @@ from .fork import Forker, ForkResult
 from .idle import IdleTracker
 from .liveness import Liveness
 from .logs import LogEntry, SandboxLogs
-from .metrics import SAMPLE_SECONDS, MetricSample, SandboxMetrics
+from .metrics import MetricSample, SandboxMetrics
 from .moving import DrainResult, Mover
 from .node import Node
 from .nodeinfo import NodeInfo, NodeStats, cache_sizes
@@ -74,6 +74,7 @@ from .oom import OomGuard
 from .pausing import Pauser
 from .pool import WarmPool
 from .recovery import Recovery
+from .sampling import Sampler
 from .sandboxes import Sandboxes
 from .snapshots import Snapshotter
 from .storage import SandboxStorage
@@ -140,11 +141,11 @@ class Orchestrator:
         self._node = Node(
             ctx, table, runtime, templates, sandboxes, pauser, pool, envd, liveness, recovery
         )
-        self._metrics = SandboxMetrics(ctx, table, runtime, storage)
+        self._metrics = metrics = SandboxMetrics(ctx, table, runtime, storage)
+        self._sampler = Sampler(table, metrics, idle, logs)
         OomGuard(ctx, table, runtime, envd, self._logs, self._stats)
         self._mover = Mover(ctx, table, booter, pauser, templates, storage)
         self._stats.service_instance_id = ctx.run_id
-        self._sampler: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ the node
     async def start(self, *, timers: bool = True) -> None:
@@ -152,14 +153,11 @@ class Orchestrator:
         caller drives `tick`, as the state machine's tests do)."""
         await self._node.start(timers=timers)
         if timers:
-            self._sampler = asyncio.create_task(self._sample_loop(), name="aenv-sampler")
+            self._sampler.start()
 
     async def close(self) -> None:
         self._ctx.closing = True  # the node reports `draining` while it shuts down
-        if self._sampler is not None:
-            self._sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sampler
+        await self._sampler.stop()
         await self._node.close()
 
     async def tick(self) -> None:
@@ -384,23 +382,8 @@ class Orchestrator:
         return await asyncio.to_thread(self._stats.exposition)
 
     async def sample(self) -> None:
-        """One round of metrics samples, which also tell the idle tracker who naps (the
-        sampler does it every few seconds; the tests drive it). envd's journal is not read
-        here: it is read when someone asks for the logs (`logs`), so an idle sandbox gets no
-        request from the node."""
-        taken = await self._metrics.sample_all()
-        self._idle.forget({r.sandbox_id for r in self._table.all()})
-        self._logs.prune()
-        for r, s in taken:
-            await self._idle.observe(r, s.cpu_used_pct / 100 * s.cpu_count)
-
-    async def _sample_loop(self) -> None:
-        while True:
-            await asyncio.sleep(SAMPLE_SECONDS)
-            try:
-                await self.sample()
-            except Exception:
-                log.exception("metrics sampler")
+        """One round of the sampler (it runs every few seconds; the tests drive it)."""
+        await self._sampler.round()
 
     # ------------------------------------------------------------------ cluster moves
     async def drain(self) -> builtins.list[DrainResult]:

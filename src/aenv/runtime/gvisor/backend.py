@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +63,11 @@ class GVisorRuntime(Runtime):
         self._busy: set[str] = set()
         self._subreaper = False
         self._reaper: asyncio.Task[None] | None = None
-        self._tasks = Background(on_failure=_log_failure)
+        self._tasks = Background(
+            on_failure=lambda e: log.warning("background runtime task failed: %s", e)
+        )
         self._started = False
-        # Armed once someone listens (`on_memory_pressure`).
-        # Looked up at each signal: `start` replaces the table of live containers.
+        # Armed on `on_memory_pressure`; finds containers at each signal (`start` swaps _live).
         self.guards = ContainerGuards(lambda cid: self._live.get(cid))
 
     # Lifecycle of the backend ------------------------------------------------------------
@@ -83,7 +84,7 @@ class GVisorRuntime(Runtime):
         await asyncio.to_thread(priority.favour_node, s.net_prefix)
         await self.rootfs.prepare()
         await self.network.setup_host()
-        recovered = await self.reconciler.recover(keep, self._spawn)
+        recovered = await self.reconciler.recover(keep, self._tasks.spawn)
         for c in recovered.values():
             c.cgroup = c.cgroup or self.procs.cgroup(c.id)
             if not c.stopped:
@@ -215,9 +216,9 @@ class GVisorRuntime(Runtime):
                 net.cancel()
             self._live.pop(cid, None)
             if held is None:
-                task = self._spawn(self._finish(c, owned=True))
+                task = self._tasks.spawn(self._finish(c, owned=True))
             else:
-                task = self._spawn(self._unlaunch(c, held))
+                task = self._tasks.spawn(self._unlaunch(c, held))
             with contextlib.suppress(Exception):
                 await asyncio.shield(task)
             raise
@@ -225,7 +226,7 @@ class GVisorRuntime(Runtime):
             if held is not None:
                 self._busy.discard(held.id)
         if held is not None and held.id != cid:
-            self._spawn(self._discard_container(held))
+            self._tasks.spawn(self._discard_container(held))
         self.guards.arm(c)
         log.info(
             "%s %s in slot %d at %s%s: %.0f ms (runsc %.0f ms)",
@@ -384,7 +385,7 @@ class GVisorRuntime(Runtime):
                 self.procs.kill_sandbox(c)
             except OSError as e:
                 log.warning("killing sandbox %s: %s", cid, e)
-        task = self._spawn(self._finish(c, owned=owned))
+        task = self._tasks.spawn(self._finish(c, owned=owned))
         task.add_done_callback(lambda _t: self._destroying.discard(cid))
 
     async def _finish(self, c: Container, *, owned: bool) -> None:
@@ -492,15 +493,8 @@ class GVisorRuntime(Runtime):
             raise RuntimeFailure(f"container {inst.id} is not a sandbox of this runtime")
         await self.network.apply_egress(held.slot, policy)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        return self._tasks.spawn(coro)
-
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
     """Marks a task's exception as seen (whoever awaits it gets it; nobody else logs it)."""
     if not task.cancelled():
         task.exception()
-
-
-def _log_failure(exc: BaseException) -> None:
-    log.warning("background runtime task failed: %s", exc)
