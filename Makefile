@@ -41,16 +41,21 @@ code-interpreter: base
 run: install
 	$(BIN)/aenv server
 
-# Unit tests first: they are fast and fail fast, and they run in a process no real server,
-# SDK or sandbox has touched yet (a sudo-relay unit test was seen to fail after them).
-test: install
-	$(BIN)/python -m pytest -q -x --timeout=600 tests/unit tests/contract tests/integration
+# The linters, then the whole suite (unit tests first: they are fast), every failure
+# reported and every skip with its reason; a skip for something `make install` provides
+# fails the run (AENV_STRICT_SKIPS, tests/conftest.py). The import contracts are a unit test.
+test: install lint
+	AENV_STRICT_SKIPS=1 $(BIN)/python -m pytest -q -rs --timeout=600 tests/unit tests/contract tests/integration
 
 test-unit: venv
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q -rs tests/unit
+
+test-integration: install
+	$(BIN)/python -m pytest -q -rs --timeout=600 tests/contract tests/integration
 
 lint: venv
 	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
 	$(BIN)/mypy
 
 bench: install

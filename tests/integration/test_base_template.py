@@ -56,8 +56,8 @@ def test_template_is_registered(built: tuple[Settings, list[str]]) -> None:
     assert found.cpu_count == 2 and found.memory_mb == 512
     assert "/usr/bin" in found.env["PATH"]
     assert found.created_at
-    assert found.extra["recipe_hash"] == recipe_hash()
-    assert found.extra["source"] == "debootstrap minbase bookworm" and found.extra["size"]
+    assert found.build.recipe_hash == recipe_hash()
+    assert found.build.source == "debootstrap minbase bookworm" and found.build.size
     # The stored document keeps its flat shape (builder keys beside the core's).
     db = sqlite3.connect(str(settings.catalog_path))
     try:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from aenv.domain import (
     BootInfo,
+    BuildInfo,
     EgressPolicy,
     Instance,
     PausedState,
@@ -94,7 +95,7 @@ def test_templates_keep_names_and_builder_keys(tmp_path: Path) -> None:
         layers=["sha256:a"],
         names=["web", "web:v2"],
         cpu_count=4,
-        extra={"build_id": "b1", "start_cmd": "serve"},
+        build=BuildInfo(build_id="b1", start_cmd="serve"),
     )
     c.put_template(t)
     assert c.template("web:v2") == t

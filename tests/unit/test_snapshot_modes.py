@@ -11,7 +11,6 @@ import pytest
 
 from aenv.domain import CreateRequest, PauseTier, SandboxRecord, SandboxState, TemplateKind
 from aenv.errors import NotFound, Unavailable
-from aenv.orchestrator.fork import FORK_OF
 from aenv.runtime.fake import FakeState
 from tests.node_harness import Harness, started
 
@@ -132,7 +131,7 @@ async def test_fork_of_a_paused_parent_leaves_it_paused(node: Harness, tier: Pau
     else:
         assert p.instance is None
     # The fork's own snapshot is gone.
-    assert not [t for t in await node.orch.templates() if t.extra.get(FORK_OF)]
+    assert not [t for t in await node.orch.templates() if t.fork_of]
     back, resumed = await node.orch.connect(parent.sandbox_id, 60)
     assert resumed and seen(node, back, "f.txt") == "from the parent"
 

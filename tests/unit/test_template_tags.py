@@ -14,7 +14,7 @@ from aenv.builds.aliases import alias_for
 from aenv.builds.store import BuildStore
 from aenv.builds.tags import Tags, build_id_of, check_tags
 from aenv.config import DEFAULT_IMAGE_ALIASES, Settings
-from aenv.domain import TemplateKind, TemplateRecord
+from aenv.domain import BuildInfo, TemplateKind, TemplateRecord
 from aenv.errors import BadRequest, NotFound
 from aenv.orchestrator.catalog import Catalog
 
@@ -54,7 +54,7 @@ async def _build(tags: Tags, orch: _Orch, layer: str, build_tags: list[str]) -> 
                 kind=TemplateKind.TEMPLATE,
                 layers=[layer],
                 names=["app"] if target == TID else [],
-                extra={"build_id": bid, "name": "app"},
+                build=BuildInfo(build_id=bid, name="app"),
             )
         )
     return bid

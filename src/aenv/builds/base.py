@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Settings
-from ..domain import TemplateKind, TemplateRecord
+from ..domain import BuildInfo, TemplateKind, TemplateRecord
 from ..fsutil import flock
 from ..images.layers import LayerStore
 from ..orchestrator.catalog import Catalog
@@ -42,7 +42,7 @@ def template_record(
     settings: Settings, layers: list[str], cache_meta: dict[str, Any]
 ) -> TemplateRecord:
     """Template `base` as the catalog keeps it; what only this builder reads (where the
-    rootfs came from, its recipe and size) is in `extra`."""
+    rootfs came from, its recipe and size) is in its `build`."""
     return TemplateRecord(
         template_id=TEMPLATE_ID,
         names=[TEMPLATE_NAME],
@@ -54,11 +54,11 @@ def template_record(
         user=USER_NAME,
         cpu_count=settings.default_cpu_count,
         memory_mb=settings.default_memory_mb,
-        extra={
-            "source": f"debootstrap {VARIANT} {SUITE}",
-            "recipe_hash": cache_meta.get("recipe_hash", recipe_hash()),
-            "size": cache_meta.get("size"),
-        },
+        build=BuildInfo(
+            source=f"debootstrap {VARIANT} {SUITE}",
+            recipe_hash=str(cache_meta.get("recipe_hash", recipe_hash())),
+            size=None if cache_meta.get("size") is None else int(cache_meta["size"]),
+        ),
     )
 
 
@@ -74,7 +74,7 @@ def base_is_current(settings: Settings, catalog: Catalog | None = None) -> list[
     finally:
         if own:
             cat.close()
-    if rec is None or not rec.layers or rec.extra.get("recipe_hash") != recipe_hash():
+    if rec is None or not rec.layers or rec.build.recipe_hash != recipe_hash():
         return None
     store = LayerStore(settings)
     if not all(store.has(d) for d in rec.layers):

@@ -76,7 +76,7 @@ class Builder:
                     await self.orch.kill(r.sandbox_id)
         transient = (TemplateKind.BUILD_STEP, TemplateKind.IMAGE)
         for t in await self.orch.templates():
-            half_made = t.kind is TemplateKind.SNAPSHOT and "build_id" in t.extra
+            half_made = t.kind is TemplateKind.SNAPSHOT and t.build.build_id is not None
             if t.internal and (t.kind in transient or half_made):
                 await self.images.unregister(t.template_id)
 

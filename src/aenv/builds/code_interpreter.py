@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Settings
-from ..domain import TemplateKind, TemplateRecord
+from ..domain import BuildInfo, TemplateKind, TemplateRecord
 from ..fsutil import flock
 from ..images.layers import LayerStore, tree_digest
 from ..orchestrator.catalog import Catalog
@@ -85,7 +85,7 @@ def rootfs_record(settings: Settings, layers: list[str], stamp: str) -> Template
         user=USER_NAME,
         cpu_count=settings.default_cpu_count,
         memory_mb=MEMORY_MB,
-        extra={"source": "aenv code interpreter", STAMP_KEY: stamp},
+        build=BuildInfo(source="aenv code interpreter", rootfs_stamp=stamp),
     )
 
 
@@ -143,8 +143,7 @@ def is_current(settings: Settings, stamp: str) -> bool:
         rec = catalog.template(TEMPLATE_NAME)
     finally:
         catalog.close()
-    meta = (rec.extra.get("metadata") or {}) if rec is not None else {}
-    return rec is not None and rec.has_memory and meta.get(STAMP_KEY) == stamp
+    return rec is not None and rec.has_memory and rec.build.metadata.get(STAMP_KEY) == stamp
 
 
 def build_spec(stamp: str) -> dict[str, Any]:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from dataclasses import replace
 
-from ..domain import TemplateKind, TemplateRecord, utcnow
+from ..domain import BuildInfo, TemplateKind, TemplateRecord, utcnow
 from ..orchestrator.envd_client import EnvdRpc
 from . import stack, steps
 from .job import BuildFailed, BuildJob, Stack
@@ -37,17 +37,17 @@ async def finalize(job: BuildJob, spec: BuildSpec, at: Stack, ready_timeout: flo
     )
     if warning:
         ab.log("warn", f"[finalize] USER {state.user}: {warning}")
-    extra: dict[str, Any] = {
-        "build_id": b.build_id,
-        "name": b.name,
-        "build_status": "ready",
-        "start_cmd": spec.start_cmd,
-        "ready_cmd": spec.ready_cmd,
-        **({"metadata": spec.metadata} if spec.metadata else {}),
-        **at.origin,
-    }
+    build = replace(
+        at.origin,
+        build_id=b.build_id,
+        name=b.name,
+        status="ready",
+        start_cmd=spec.start_cmd,
+        ready_cmd=spec.ready_cmd,
+        metadata=dict(spec.metadata or {}),
+    )
     if spec.start_cmd or spec.ready_cmd:
-        await _snapshot_started(job, spec, at, user, extra, ready_timeout)
+        await _snapshot_started(job, spec, at, user, build, ready_timeout)
         return
     await _workdir_made(job, at)
     async with job.tags.placing(b.template_id, b.build_id, b.tags) as target:
@@ -62,7 +62,7 @@ async def finalize(job: BuildJob, spec: BuildSpec, at: Stack, ready_timeout: flo
             cpu_count=b.cpu_count,
             memory_mb=b.memory_mb,
             created_at=utcnow().isoformat(),
-            extra=extra,
+            build=build,
         )
         await job.orch.register_template(rec)
     ab.log("info", f"[finalize] template {b.template_id} registered ({len(at.layers)} layers)")
@@ -95,7 +95,7 @@ async def _snapshot_started(
     spec: BuildSpec,
     at: Stack,
     user: str | None,
-    extra: dict[str, Any],
+    build: BuildInfo,
     ready_timeout: float,
 ) -> None:
     ab = job.ab
@@ -132,8 +132,8 @@ async def _snapshot_started(
             sbx.sandbox_id,
             None,
             template_id=target,
-            parent=origin_of(at.origin),
-            extra=extra,
+            parent=at.origin.origin,
+            build=build,
             internal=True,
         )
         rec.kind = TemplateKind.TEMPLATE
@@ -194,9 +194,3 @@ async def _wait_ready(
             ab.log("info", f"[finalize] waiting for ready ({end.status or end.error})")
         await asyncio.sleep(delay)
         delay = min(delay * 1.5, 2.0)
-
-
-def origin_of(origin: dict[str, Any]) -> str | None:
-    """The template or image a build started from."""
-    value = origin.get("fromTemplate") or origin.get("fromImage")
-    return str(value) if value else None

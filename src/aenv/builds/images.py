@@ -27,7 +27,15 @@ from dataclasses import replace
 from typing import Any
 
 from ..config import ImageSettings, Settings
-from ..domain import CreateRequest, SandboxRecord, TemplateKind, TemplateRecord, Timings, utcnow
+from ..domain import (
+    BuildInfo,
+    CreateRequest,
+    SandboxRecord,
+    TemplateKind,
+    TemplateRecord,
+    Timings,
+    utcnow,
+)
 from ..errors import AenvError, BadRequest, NotFound
 from ..images.pull import ImageConfig, ProgressFn, PulledImage
 from ..images.reference import candidates
@@ -137,7 +145,7 @@ class Images:
             user=user or "root",
             workdir=cfg.workdir or None,
             created_at=utcnow().isoformat(),
-            extra={"image": img.to_json()},
+            build=BuildInfo(image=img.reference, image_digest=img.digest),
         )
 
     async def cold_start(

@@ -18,10 +18,16 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..config import Settings
-from ..domain import CreateRequest, SandboxRecord, TemplateKind, TemplateRecord, utcnow
+from ..domain import (
+    BuildInfo,
+    CreateRequest,
+    SandboxRecord,
+    TemplateKind,
+    TemplateRecord,
+    utcnow,
+)
 from ..images.pull import LayerProgress
 from ..orchestrator import Orchestrator
 from ..orchestrator.envd_client import EnvdRpc
@@ -79,7 +85,8 @@ class Stack:
     layers: list[str]
     state: BuildState
     # How the base was given, kept on the template (fromImage/image/digest or fromTemplate).
-    origin: dict[str, Any]
+    # Where the build started from (the rest of its BuildInfo is filled in at the end).
+    origin: BuildInfo
     # A step ran uncached since the first forced one (so finalize's WORKDIR step is too).
     forced: bool = False
     # A workdir known to exist in `layers` (the image's WorkingDir may not: docker creates
@@ -164,11 +171,9 @@ class BuildJob:
             state.env = img.config.env_dict()
             state.workdir = img.config.workdir or None
             state.user = img.config.user or None
-            origin: dict[str, Any] = {
-                "fromImage": spec.from_image,
-                "image": img.reference,
-                "digest": img.digest,
-            }
+            origin = BuildInfo(
+                from_image=spec.from_image, image=img.reference, image_digest=img.digest
+            )
             ab.log("info", f"[base] image {img.reference} ({len(layers)} layers)")
         else:
             source = aliased or spec.from_template
@@ -183,9 +188,10 @@ class BuildJob:
             state.env = dict(base.env)
             state.workdir = base.workdir or None
             state.user = base.user or None
-            origin = {"fromTemplate": base.template_id}
-            if aliased is not None:
-                origin["fromImage"] = spec.from_image
+            origin = BuildInfo(
+                from_template=base.template_id,
+                from_image=None if aliased is None else spec.from_image,
+            )
             if base.has_memory:
                 ab.log("info", "[base] (its files only: running processes are not kept)")
         missing = [d for d in layers if not self.orch.has_layer(d)]

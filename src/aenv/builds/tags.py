@@ -7,7 +7,7 @@ none yet); the next untagged build moves `default` and leaves the tagged build w
 The catalog is kept in step with the tag table (store.py), so creates resolve through it:
 the default build's record is the template itself (`template_id`, names `name`,
 `name:default`, ...); a build that only tags point at is a second record of the same
-layers and memory image, `{template_id}.{build_id}`, unlisted (`extra.pinned_of`). Every
+layers and memory image, `{template_id}.{build_id}`, unlisted (`pinned_of`). Every
 record is also named `name:{build_id}`. A build no tag points at any more is dropped.
 Templates made without the build API (`base`, pulled images) have one build, named by
 a UUID derived from their id.
@@ -29,7 +29,6 @@ from .store import BuildStore, TagRow
 
 DEFAULT_TAG = "default"
 TAG_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-PINNED_OF = "pinned_of"
 _UUID_NS = uuid.UUID("0d4c6f1e-5a0b-4f39-9a51-2f7c9f3c1a10")
 
 
@@ -59,23 +58,23 @@ def pinned_id(template_id: str, build_id: str) -> str:
 
 def build_id_of(rec: TemplateRecord) -> str:
     """The build a record holds: the build API's id, or one derived from the template id."""
-    bid = rec.extra.get("build_id")
-    if isinstance(bid, str):
+    bid = rec.build.build_id
+    if bid is not None:
         with contextlib.suppress(ValueError):
             return str(uuid.UUID(bid))
-    owner = str(rec.extra.get(PINNED_OF) or rec.template_id)
+    owner = rec.pinned_of or rec.template_id
     return str(uuid.uuid5(_UUID_NS, owner))
 
 
 def owner_of(rec: TemplateRecord) -> str:
     """The template a record belongs to (itself, or the one whose build it pins)."""
-    return str(rec.extra.get(PINNED_OF) or rec.template_id)
+    return rec.pinned_of or rec.template_id
 
 
 def main_name(rec: TemplateRecord) -> str | None:
     """The template's name without tag."""
-    name = rec.extra.get("name")
-    if isinstance(name, str) and name:
+    name = rec.build.name
+    if name:
         return name
     plain = [n for n in rec.names if split_name(n)[1] is None]
     return plain[0] if plain else (rec.names[0] if rec.names else None)
@@ -199,13 +198,11 @@ class Tags:
         name = main_name(src) or template_id
         bid = build_id_of(src)
         names = [f"{name}:{t}" for t in tags] + [f"{name}:{bid}"]
-        extra = {**src.extra, "build_id": src.extra.get("build_id") or bid, "name": name}
-        if target == template_id:
+        build = replace(src.build, build_id=src.build.build_id or bid, name=name)
+        pinned_of = None if target == template_id else template_id
+        if pinned_of is None:
             names.insert(0, name)
-            extra.pop(PINNED_OF, None)
-        else:
-            extra[PINNED_OF] = template_id
-        rec = replace(src, template_id=target, names=names, extra=extra)
+        rec = replace(src, template_id=target, names=names, build=build, pinned_of=pinned_of)
         if rec == src:
             return
         # A copy under another id is published as its own; the record itself was published
@@ -241,10 +238,6 @@ class Tags:
                     await self.orch.delete_template(rec.template_id)
         # A pinned copy of the same build as the template's own record.
         for t in await self.orch.templates():
-            if (
-                t.extra.get(PINNED_OF) == template_id
-                and t.template_id not in keep
-                and not t.internal
-            ):
+            if t.pinned_of == template_id and t.template_id not in keep and not t.internal:
                 with contextlib.suppress(NotFound, BadRequest):
                     await self.orch.delete_template(t.template_id)

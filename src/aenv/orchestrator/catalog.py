@@ -10,24 +10,11 @@ import asyncio
 import json
 import threading
 from collections.abc import Iterable
-from dataclasses import asdict, fields
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from .. import sqlitedb
-from ..domain import (
-    BootInfo,
-    EgressPolicy,
-    Instance,
-    PausedState,
-    PauseTier,
-    PendingOp,
-    SandboxRecord,
-    SandboxState,
-    TemplateRecord,
-    VolumeMount,
-)
+from ..domain import SandboxRecord, TemplateRecord, record_from_json, record_to_json
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -44,60 +31,6 @@ CREATE TABLE IF NOT EXISTS template_names (
     template_id TEXT NOT NULL REFERENCES templates(id) ON DELETE CASCADE
 );
 """
-
-
-def record_to_json(r: SandboxRecord) -> str:
-    d = asdict(r)
-    d["started_at"] = r.started_at.isoformat()
-    d["end_at"] = r.end_at.isoformat()
-    d["state"] = r.state.value
-    if r.paused is not None:
-        d["paused"] = {
-            "tier": r.paused.tier.value,
-            "paused_at": r.paused.paused_at.isoformat(),
-            "image": r.paused.image,
-            "published": r.paused.published,
-            "standby": r.paused.standby,
-        }
-    return json.dumps(d)
-
-
-def record_from_json(doc: str) -> SandboxRecord:
-    d = json.loads(doc)
-    d["started_at"] = datetime.fromisoformat(d["started_at"])
-    d["end_at"] = datetime.fromisoformat(d["end_at"])
-    d["state"] = SandboxState(d["state"])
-    inst = d.get("instance")
-    if inst is not None:
-        if "container_id" in inst:  # written before the handle was opaque
-            inst = {
-                "sandbox_id": inst["sandbox_id"],
-                "id": inst.pop("container_id"),
-                "address": inst["address"],
-                "data": inst,
-            }
-        d["instance"] = Instance(**inst)
-    if d.get("paused") is None and d.get("paused_state"):  # the same, before PausedState
-        d["paused"] = d["paused_state"]
-    if d.get("paused") is not None:
-        p = d["paused"]
-        d["paused"] = PausedState(
-            tier=PauseTier(p["tier"]),
-            paused_at=datetime.fromisoformat(p["paused_at"]),
-            image=p.get("image"),
-            published=bool(p.get("published")),
-            standby=bool(p.get("standby")),
-        )
-    if d.get("pending") is not None:
-        d["pending"] = PendingOp(**d["pending"])
-    d["boot"] = BootInfo(**(d.get("boot") or {}))
-    if "egress" in d:
-        d["egress"] = EgressPolicy(**d["egress"])
-    elif "allow_internet_access" in d:  # before egress rules
-        d["egress"] = EgressPolicy(allow_internet=bool(d["allow_internet_access"]))
-    d["volume_mounts"] = [VolumeMount(**m) for m in d.get("volume_mounts") or []]
-    known = {f.name for f in fields(SandboxRecord)}
-    return SandboxRecord(**{k: v for k, v in d.items() if k in known})
 
 
 class Catalog:

@@ -40,6 +40,7 @@ from ..domain import (
     DEFAULT_TEMPLATE,
     ENVD_PORT,
     LIVE_STATES,
+    BuildInfo,
     CreateRequest,
     EgressPolicy,
     Quota,
@@ -314,7 +315,7 @@ class Orchestrator:
         *,
         template_id: str | None = None,
         parent: str | None = None,
-        extra: dict[str, Any] | None = None,
+        build: BuildInfo | None = None,
         internal: bool = False,
         memory: bool = True,
     ) -> TemplateRecord:
@@ -326,7 +327,7 @@ class Orchestrator:
                 timings,
                 template_id=template_id,
                 parent=parent,
-                extra=extra,
+                build=build,
                 internal=internal,
                 memory=memory,
             )

@@ -25,9 +25,6 @@ from .templates import TemplateRegistry
 log = logging.getLogger("aenv.orchestrator")
 
 MAX_CHILDREN = 20
-# Marks a fork's own snapshot (in its `extra`): no one else ever sees it, so start-up
-# recovery deletes one a crash left behind.
-FORK_OF = "fork_of"
 
 
 @dataclass
@@ -70,11 +67,10 @@ class Forker:
                     f"sandbox {sandbox_id!r} must be running or paused to fork "
                     f"(it is {parent.state})"
                 )
-            extra = {FORK_OF: sandbox_id}
             parent_back = None
             if parent.tier is PauseTier.FILES:
                 snap = await self.snapshotter.take_files(
-                    parent, t, names=[], internal=True, extra=extra
+                    parent, t, names=[], internal=True, fork_of=sandbox_id
                 )
             else:
                 snap, parent_back = await self.snapshotter.take(
@@ -84,7 +80,7 @@ class Forker:
                     internal=True,
                     restore_later=True,
                     op="fork",
-                    extra=extra,
+                    fork_of=sandbox_id,
                 )
             crashpoint.hit("fork.snapshotted")
             ttl = timeout

@@ -6,16 +6,20 @@ under the same id). The gateway decides; the node only does."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..domain import LIVE_STATES, PausedState, PauseTier, SandboxRecord, SandboxState
+from ..domain import (
+    LIVE_STATES,
+    PausedState,
+    PauseTier,
+    SandboxRecord,
+    SandboxState,
+)
 from ..errors import AenvError, Conflict, NotFound
 from .boot import Booter
-from .catalog import record_from_json
 from .context import NodeContext
-from .pausing import SANDBOX_RECORD, Pauser
+from .pausing import Pauser
 from .storage import SandboxStorage
 from .table import SandboxTable
 from .templates import TemplateRegistry
@@ -92,10 +96,9 @@ class Mover:
             if found is not None and found.state in LIVE_STATES:
                 return found  # a second gateway asked too
             rec = await self.templates.hibernation(image)
-            doc = rec.extra.get(SANDBOX_RECORD)
-            if rec.sandbox_id != sandbox_id or not isinstance(doc, dict):
+            if rec.sandbox_id != sandbox_id or rec.hibernated is None:
                 raise NotFound(f"{image!r} is not a hibernation of sandbox {sandbox_id!r}")
-            r = record_from_json(json.dumps(doc))
+            r = replace(rec.hibernated)
             await self.templates.ensure_layers(rec)
             paused_at = r.paused.paused_at if r.paused is not None else self.ctx.now()
             r.state = SandboxState.PAUSED

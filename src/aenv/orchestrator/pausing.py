@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import secrets
 from dataclasses import dataclass, field, replace
@@ -37,7 +36,6 @@ from ..domain import (
 from ..errors import Conflict, Forbidden, SandboxNotFound, Unavailable
 from ..runtime.base import Instance, Runtime
 from .boot import Booter
-from .catalog import record_to_json
 from .context import NodeContext, check_timeout
 from .table import SandboxTable
 from .templates import TemplateRegistry
@@ -46,8 +44,6 @@ log = logging.getLogger("aenv.orchestrator")
 
 # Seconds a hibernated sandbox stays on the node's disk only before it is published.
 PUBLISH_HIBERNATION_AFTER = 5.0
-# Where a hibernation's template document keeps the sandbox's own record.
-SANDBOX_RECORD = "sandbox_record"
 # Seconds a sandbox in standby on disk waits for memory to be restored into.
 STANDBY_ROOM_PATIENCE = 30.0
 # Seconds a strict pause (E2B `requireHealthyGuest`) waits for envd's health check.
@@ -257,10 +253,8 @@ class Pauser:
         return await self._publish_hibernation(sandbox_id, r.paused.image, delay=0)
 
     def _hibernation_record(self, r: SandboxRecord, image: str) -> TemplateRecord:
-        # The sandbox's own record rides along (with its tokens: the repository is as
-        # private as the catalog), so another node can take the sandbox over.
-        portable = json.loads(record_to_json(r))
-        portable.update(instance=None, pending=None, upper=None)
+        # The sandbox's own record rides along, so another node can take the sandbox over.
+        portable = replace(r, instance=None, pending=None, upper=None)
         return TemplateRecord(
             template_id=image,
             kind=TemplateKind.HIBERNATION,
@@ -275,7 +269,7 @@ class Pauser:
             memory_mb=r.memory_mb,
             created_at=self.ctx.now().isoformat(),
             volume_mounts=list(r.volume_mounts),
-            extra={SANDBOX_RECORD: portable},
+            hibernated=portable,
         )
 
     # ------------------------------------------------------------------ resume

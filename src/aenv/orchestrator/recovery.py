@@ -36,7 +36,6 @@ from ..domain import (
 from ..runtime.base import Runtime
 from .boot import Booter
 from .context import NodeContext
-from .fork import FORK_OF
 from .storage import SandboxStorage
 from .table import SandboxTable
 from .templates import TemplateRegistry
@@ -203,7 +202,7 @@ class Recovery:
 
     async def _drop_fork_snapshots(self) -> None:
         for t in await self.templates.all():
-            if t.kind is TemplateKind.SNAPSHOT and t.internal and t.extra.get(FORK_OF):
+            if t.kind is TemplateKind.SNAPSHOT and t.internal and t.fork_of:
                 log.info("removing snapshot %s of a fork cut short", t.template_id)
                 await self.templates.delete(t)
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from .. import crashpoint
 from ..domain import (
+    BuildInfo,
     Instance,
     PauseTier,
     PendingOp,
@@ -61,7 +62,8 @@ class Snapshotter:
         *,
         template_id: str | None = None,
         parent: str | None = None,
-        extra: dict[str, Any] | None = None,
+        build: BuildInfo | None = None,
+        fork_of: str | None = None,
         internal: bool = False,
         memory: bool = True,
     ) -> TemplateRecord:
@@ -84,7 +86,8 @@ class Snapshotter:
                     names=[name] if name else [],
                     snap_id=template_id,
                     parent=parent,
-                    extra=extra,
+                    build=build,
+                    fork_of=fork_of,
                     internal=internal,
                 )
             snap, _ = await self.take(
@@ -93,7 +96,8 @@ class Snapshotter:
                 names=[name] if name else [],
                 snap_id=template_id,
                 parent=parent,
-                extra=extra,
+                build=build,
+                fork_of=fork_of,
                 internal=internal,
             )
         return snap
@@ -107,7 +111,8 @@ class Snapshotter:
         internal: bool = False,
         snap_id: str | None = None,
         parent: str | None = None,
-        extra: dict[str, Any] | None = None,
+        build: BuildInfo | None = None,
+        fork_of: str | None = None,
     ) -> TemplateRecord:
         """A filesystem snapshot (the sandbox's lock held): its layers plus a copy of its
         upper. A running sandbox is frozen only while the upper is copied, so the files are
@@ -142,7 +147,8 @@ class Snapshotter:
             names=names,
             internal=internal,
             parent=parent,
-            extra=extra,
+            build=build,
+            fork_of=fork_of,
         )
         # Booted fresh, a sandbox made from it gets its environment from /init: the source's
         # own variables travel with the template's (a memory snapshot keeps them in envd).
@@ -160,7 +166,8 @@ class Snapshotter:
         internal: bool = False,
         snap_id: str | None = None,
         parent: str | None = None,
-        extra: dict[str, Any] | None = None,
+        build: BuildInfo | None = None,
+        fork_of: str | None = None,
         boot_of: TemplateRecord | None = None,
         restore_later: bool = False,
         op: str = "snapshot",
@@ -229,7 +236,8 @@ class Snapshotter:
             names=names,
             internal=internal,
             parent=parent,
-            extra=extra,
+            build=build,
+            fork_of=fork_of,
         )
         if boot_of is not None:
             snap.boot_of = boot_of.template_id
@@ -317,7 +325,8 @@ class Snapshotter:
         names: builtins.list[str],
         internal: bool,
         parent: str | None,
-        extra: dict[str, Any] | None,
+        build: BuildInfo | None,
+        fork_of: str | None,
     ) -> TemplateRecord:
         return TemplateRecord(
             template_id=snap_id,
@@ -336,7 +345,8 @@ class Snapshotter:
             sandbox_id=r.sandbox_id,
             envd_token=r.envd_access_token,
             env_vars=dict(r.env_vars),
-            extra=dict(extra or {}),
+            build=build or BuildInfo(),
+            fork_of=fork_of,
             # The mounts, not the volumes' files: its sandboxes mount the same volumes.
             volume_mounts=list(r.volume_mounts),
         )

@@ -11,7 +11,7 @@ from pydantic import Field
 
 from aenv import ENVD_VERSION
 from aenv.builds.store import BuildRecord
-from aenv.builds.tags import PINNED_OF, build_id_of, main_name, owner_of
+from aenv.builds.tags import build_id_of, main_name, owner_of
 from aenv.domain import TemplateRecord, Timings
 from aenv.errors import NotFound
 
@@ -27,6 +27,10 @@ router = APIRouter(
     dependencies=[Depends(require_api_key)],
     responses=LIFECYCLE_ERRORS,
 )
+
+
+# A template's diskSizeMB as E2B's API reports it (templates here record no disk size).
+DEFAULT_DISK_MB = 1024
 
 
 class SnapshotRequest(_Request):
@@ -96,12 +100,12 @@ class TemplateInfo(_Response):
             buildID=build_id_of(t),
             cpuCount=t.cpu_count or 2,
             memoryMB=t.memory_mb or 512,
-            diskSizeMB=int(t.extra.get("disk_mb") or 1024),
+            diskSizeMB=DEFAULT_DISK_MB,
             aliases=names,
             names=names,
             createdAt=created,
             updatedAt=created,
-            buildStatus=str(t.extra.get("build_status") or "ready"),
+            buildStatus=t.build.status or "ready",
         )
 
 
@@ -216,7 +220,7 @@ async def list_templates(orchestrator: OrchestratorDep, builder: BuilderDep) -> 
     by_template = await asyncio.to_thread(builder.by_template)
     out = []
     for t in templates:
-        if t.internal or t.extra.get(PINNED_OF):
+        if t.internal or t.pinned_of:
             continue  # a build kept for its tags is not a template of its own
         out.append(_with_builds(TemplateInfo.of(t), by_template.pop(t.template_id, [])))
     out.extend(_pending_info(bs[0]) for bs in by_template.values())
