@@ -235,6 +235,9 @@ class _Runner:
         signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
         for sig in (*RELAYED, signal.SIGTSTP):
             signal.signal(sig, self._on_signal)
+        # A caller that blocked them (a mask is inherited across exec) would leave them
+        # pending here forever: the command would never get them.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [*RELAYED, signal.SIGTSTP])
         sock = _connect()
         try:
             use_pty = os.isatty(0) and os.isatty(1) and foreground()
