@@ -53,6 +53,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 # The bottom row may import within itself (without circles): it is one layer of helpers.
 SHARED = LAYERS[-1]
+# What these import of the orchestrator is its package: the facade and the records it
+# exports, never one of its modules. (The composition root builds the parts; builds still
+# read the catalog and drive envd through the orchestrator's modules.)
+FACADE_ONLY = ("cli", "api", "cluster", "proxy", "console")
+ORCHESTRATOR = f"{PACKAGE}.orchestrator"
 
 
 @dataclass(frozen=True)
@@ -197,6 +202,15 @@ def test_every_top_level_package_and_module_has_its_layer() -> None:
 def test_no_import_goes_up_or_sideways() -> None:
     found = breaks(imports())
     assert found == [], "imports against the layer order:\n" + "\n".join(found)
+
+
+def test_the_layers_above_see_only_the_orchestrators_facade() -> None:
+    found = [
+        str(imp)
+        for imp in imports()
+        if entry(imp.source) in FACADE_ONLY and imp.target.startswith(f"{ORCHESTRATOR}.")
+    ]
+    assert found == [], "orchestrator modules imported past its facade:\n" + "\n".join(found)
 
 
 def test_no_circles() -> None:

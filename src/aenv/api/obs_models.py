@@ -9,9 +9,7 @@ from datetime import UTC, datetime
 from pydantic import Field
 
 from aenv.domain import LIVE_STATES
-from aenv.orchestrator.logs import LogEntry
-from aenv.orchestrator.metrics import MetricSample
-from aenv.orchestrator.nodeinfo import CLUSTER_ID, DiskInfo, NodeInfo
+from aenv.orchestrator import CLUSTER_ID, DiskInfo, LogEntry, MetricSample, NodeInfo
 
 from .models import ListedSandbox, _Response, api_state
 

@@ -18,7 +18,7 @@ from aenv.builds.images import Images
 from aenv.domain import Timings
 from aenv.errors import AenvError
 from aenv.images.pull import LayerProgress
-from aenv.orchestrator.context import check_timeout
+from aenv.orchestrator import check_timeout
 
 from ..auth import key_name, require_api_key
 from ..deps import SettingsDep

@@ -15,8 +15,7 @@ from fastapi import APIRouter, Depends, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from aenv.errors import BadRequest, NotFound
-from aenv.orchestrator import Orchestrator
-from aenv.orchestrator.logs import LEVELS, LogEntry
+from aenv.orchestrator import LEVELS, LogEntry, Orchestrator
 
 from ..auth import require_api_key
 from ..deps import OrchestratorDep

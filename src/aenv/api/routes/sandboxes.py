@@ -15,8 +15,7 @@ from pydantic import BeforeValidator
 from aenv.config import Settings
 from aenv.domain import SandboxRecord, Timings
 from aenv.errors import Conflict, NotFound
-from aenv.orchestrator import Orchestrator
-from aenv.orchestrator.context import check_timeout
+from aenv.orchestrator import Orchestrator, check_timeout
 
 from ..auth import key_name, require_api_key
 from ..deps import IdempotencyDep, OrchestratorDep, SettingsDep
