@@ -29,10 +29,11 @@ from typing import Any
 
 from aenv.errors import AenvError
 from aenv.images.layers import copy_tree
-from aenv.runtime import oci, rootfs
+from aenv.runtime import rootfs
 from aenv.runtime.base import Mount, SandboxSpec
+from aenv.runtime.gvisor import oci
+from aenv.runtime.gvisor.runsc import Runsc
 from aenv.runtime.network import Network, Slot, SlotAddressing
-from aenv.runtime.runsc import Runsc
 
 from . import hostproc
 from .client import BenchError

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from aenv.runtime import netquiet
+from aenv.runtime.gvisor import netquiet
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="SOCK_DESTROY needs CAP_NET_ADMIN")
 

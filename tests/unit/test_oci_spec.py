@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from aenv.runtime import oci
 from aenv.runtime.base import Mount, SandboxSpec
+from aenv.runtime.gvisor import oci
 
 
 def spec(**kw: Any) -> SandboxSpec:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from aenv.runtime.sockdiag import destroy_tcp_to
+from aenv.runtime.gvisor.sockdiag import destroy_tcp_to
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="SOCK_DESTROY needs CAP_NET_ADMIN")
 

@@ -16,18 +16,18 @@ from aenv.background import Background
 from aenv.config import Settings
 from aenv.domain import ENVD_PORT, EgressPolicy
 from aenv.errors import RuntimeFailure
-from aenv.runtime import _proc, naps, netquiet, oci, priority, rootfs, runsc
+from aenv.runtime import _proc, naps, priority, rootfs
 from aenv.runtime.base import Instance, Runtime, SandboxSpec, Stats
 from aenv.runtime.freezer import CGROUP_ROOT, Freezer
-from aenv.runtime.gvisor import bundles, control
+from aenv.runtime.gvisor import bundles, control, netquiet, oci, runsc
 from aenv.runtime.gvisor.container import OVERLAY_MEMORY, Container, new_container_id
 from aenv.runtime.gvisor.guarding import ContainerGuards
 from aenv.runtime.gvisor.processes import Processes
 from aenv.runtime.gvisor.reconcile import Reconciler
+from aenv.runtime.gvisor.runsc import Runsc, gather_quiet
 from aenv.runtime.gvisor.stats import StatsReader, exit_cause
 from aenv.runtime.network import Network, Slot, SlotAddressing, SlotPool
 from aenv.runtime.rootfs import RootfsMounts
-from aenv.runtime.runsc import Runsc, gather_quiet
 
 log = logging.getLogger("aenv.runtime")
 

@@ -16,7 +16,7 @@ from aenv.runtime import _proc
 from aenv.runtime.freezer import Freezer
 from aenv.runtime.gvisor import control
 from aenv.runtime.gvisor.container import Container
-from aenv.runtime.runsc import RUNNING_STATES, Runsc, gather_quiet
+from aenv.runtime.gvisor.runsc import RUNNING_STATES, Runsc, gather_quiet
 
 log = logging.getLogger("aenv.runtime")
 

@@ -16,9 +16,9 @@ from aenv.runtime.freezer import CGROUP_ROOT
 from aenv.runtime.gvisor import bundles
 from aenv.runtime.gvisor.container import Container
 from aenv.runtime.gvisor.processes import Processes
+from aenv.runtime.gvisor.runsc import RUNNING_STATES
 from aenv.runtime.network import NETNS_DIR, SYS_NET, Network, SlotAddressing
 from aenv.runtime.rootfs import RootfsMounts
-from aenv.runtime.runsc import RUNNING_STATES
 
 log = logging.getLogger("aenv.runtime")
 

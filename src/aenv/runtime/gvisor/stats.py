@@ -11,7 +11,7 @@ from aenv.errors import RuntimeFailure
 from aenv.runtime.base import Stats
 from aenv.runtime.freezer import CGROUP_ROOT
 from aenv.runtime.gvisor.container import Container
-from aenv.runtime.runsc import Runsc, is_missing
+from aenv.runtime.gvisor.runsc import Runsc, is_missing
 
 
 class StatsReader:

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 
-from aenv.runtime import sockdiag
+from aenv.runtime.gvisor import sockdiag
 
 log = logging.getLogger("aenv.runtime")
 
