@@ -33,7 +33,7 @@ from aenv.runtime import rootfs
 from aenv.runtime.base import Mount, SandboxSpec
 from aenv.runtime.gvisor import oci
 from aenv.runtime.gvisor.runsc import Runsc
-from aenv.runtime.network import Network, Slot, SlotAddressing
+from aenv.runtime.net.network import Network, Slot, SlotAddressing
 
 from . import hostproc
 from .client import BenchError

@@ -17,8 +17,8 @@ from .orchestrator.storage import SandboxStorage
 from .proxy.ws import SERVER_OPTIONS as WS_SERVER_OPTIONS
 from .runtime import priority
 from .runtime.bundle_build import ensure_bundle
-from .runtime.cowpool import open_pool
 from .runtime.gvisor import GVisorRuntime
+from .runtime.storage.cowpool import open_pool
 from .serving import QuietServer, check_tls, uvicorn_config
 from .snapshots import SnapshotStore, open_repository
 

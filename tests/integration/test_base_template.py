@@ -23,7 +23,7 @@ from aenv.config import Settings
 from aenv.domain import TemplateKind
 from aenv.images.layers import LayerStore
 from aenv.orchestrator.catalog import Catalog
-from aenv.runtime.cowpool import CowPool
+from aenv.runtime.storage.cowpool import CowPool
 
 pytestmark = [
     pytest.mark.integration,

@@ -23,7 +23,7 @@ import pytest_asyncio
 from aenv.domain import EgressPolicy
 from aenv.runtime.base import Instance
 from aenv.runtime.gvisor import GVisorRuntime
-from aenv.runtime.network import SlotAddressing
+from aenv.runtime.net.network import SlotAddressing
 
 from .fake_internet import NET_HOST, PORT, A, B, fake_internet
 from .test_runtime_gvisor import (

@@ -86,7 +86,7 @@ def test_a_disk_fill_gets_enospc_and_the_files_api_507(
 ) -> None:
     sbx = Sandbox.create(template="base", timeout=180)
     sandboxes.append(sbx)
-    # The node's storage (runtime/cowpool.py): a btrfs pool gives each sandbox a quota, ext4
+    # The node's storage (runtime/storage/cowpool.py): a btrfs pool gives each sandbox a quota, ext4
     # disks a filesystem each (whose size `df` then shows).
     pooled = (server.home / "store.btrfs").exists()
     if not pooled:

@@ -28,7 +28,7 @@ from aenv.errors import RuntimeFailure
 from aenv.runtime.base import Instance, SandboxSpec
 from aenv.runtime.gvisor import GVisorRuntime
 from aenv.runtime.gvisor.container import Container
-from aenv.runtime.network import SlotAddressing
+from aenv.runtime.net.network import SlotAddressing
 from aenv.runtime.rootfs import mount_points
 
 pytestmark = [

@@ -22,7 +22,7 @@ from aenv.cluster.state import ClusterState
 from aenv.config import Settings
 from aenv.errors import Unavailable
 from aenv.nodenet import node_network
-from aenv.runtime.network import SlotAddressing
+from aenv.runtime.net.network import SlotAddressing
 from tests.helpers import RedisServer, redis_server
 
 # ----------------------------------------------------------------------------- node network

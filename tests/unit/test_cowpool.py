@@ -16,9 +16,9 @@ import pytest
 from aenv.config import Settings
 from aenv.images.layers import LayerStore
 from aenv.orchestrator.storage import SandboxStorage
-from aenv.runtime import cowpool
-from aenv.runtime.cowpool import CowPool, open_pool
 from aenv.runtime.rootfs import is_mount_point
+from aenv.runtime.storage import cowpool
+from aenv.runtime.storage.cowpool import CowPool, open_pool
 from tests.helpers import wait_until
 from tests.unit.test_disks import fill
 

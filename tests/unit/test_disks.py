@@ -15,8 +15,8 @@ import pytest
 from aenv.config import Settings
 from aenv.images.layers import LayerStore
 from aenv.orchestrator.storage import SandboxStorage
-from aenv.runtime.disks import Disks
 from aenv.runtime.rootfs import is_mount_point
+from aenv.runtime.storage.disks import Disks
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("mkfs.ext4") is None,

@@ -16,10 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aenv.domain import EgressPolicy, domain_matches
-from aenv.runtime import sniff
-from aenv.runtime.egress_proxy import PROXY_PORT
-from aenv.runtime.egress_rules import EGRESS_CHAIN, egress_rules
-from aenv.runtime.host_nets import own_networks
+from aenv.runtime.net import sniff
+from aenv.runtime.net.egress_proxy import PROXY_PORT
+from aenv.runtime.net.egress_rules import EGRESS_CHAIN, egress_rules
+from aenv.runtime.net.host_nets import own_networks
 
 
 def client_hello(server_name: str | None) -> bytes:

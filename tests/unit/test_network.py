@@ -8,7 +8,7 @@ import pytest
 
 from aenv.config import Settings
 from aenv.domain import EgressPolicy
-from aenv.runtime.network import (
+from aenv.runtime.net.network import (
     EGRESS_CHAIN,
     GATEWAY_IP,
     SANDBOX_IP,
@@ -133,7 +133,7 @@ def test_egress_rules_already_in_force_are_not_restored_again(
 ) -> None:
     """A restore re-arms its slot with the sandbox's policy: the same rules as the slot holds
     cost no iptables-restore; other rules, a rebuilt slot or a failed apply do."""
-    from aenv.runtime import network as net_mod
+    from aenv.runtime.net import network as net_mod
 
     restores: list[str] = []
     fail = False

@@ -21,7 +21,7 @@ from ..domain import BuildInfo, TemplateKind, TemplateRecord
 from ..fsutil import flock
 from ..images.layers import LayerStore
 from ..orchestrator.catalog import Catalog
-from ..runtime.cowpool import open_pool
+from ..runtime.storage.cowpool import open_pool
 from .base_rootfs import (
     PATH,
     SUITE,

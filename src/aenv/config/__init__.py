@@ -84,7 +84,7 @@ class Settings(BaseSettings):
     # That size enforced (btrfs quota or ext4 image); `disk_spares`: ext4 images kept formatted.
     disk_limits: bool = True
     disk_spares: int = 2
-    # Where layers and uppers live, chosen at a home's first start (`runtime/cowpool.py`).
+    # Where layers and uppers live, chosen at a home's first start (`runtime/storage/cowpool.py`).
     storage: Literal["auto", "btrfs", "ext4"] = "auto"
     default_timeout: int = 300
     max_timeout: int = 24 * 3600

@@ -3,9 +3,9 @@
 Layout under $AENV_HOME:
     rw/<sandbox_id>/<generation>/upper    the overlay upper the sandbox writes into
     disks/<sandbox_id>.ext4               the disk mounted on rw/<sandbox_id> (its size limit,
-                                          `runtime/disks.py`; without disk limits rw/ is plain)
+                                          `runtime/storage/disks.py`; without disk limits rw/ is plain)
     store.btrfs                           or, instead of the disks, the btrfs pool holding
-                                          layers/ and rw/ (`runtime/cowpool.py`): each
+                                          layers/ and rw/ (`runtime/storage/cowpool.py`): each
                                           rw/<sandbox_id> a subvolume with its size as quota
     images/<name>/                        a runsc checkpoint image (memory + processes)
 
@@ -28,8 +28,8 @@ from ..fsutil import private_dir
 from ..images.cache import LayerCache, holder
 from ..images.diffcopy import copy_changes
 from ..images.layers import LayerError, LayerStore
-from ..runtime.cowpool import CowPool
-from ..runtime.disks import Disks, SandboxDisks
+from ..runtime.storage.cowpool import CowPool
+from ..runtime.storage.disks import Disks, SandboxDisks
 
 
 class SandboxStorage:

@@ -26,7 +26,7 @@ from aenv.runtime.gvisor.processes import Processes
 from aenv.runtime.gvisor.reconcile import Reconciler
 from aenv.runtime.gvisor.runsc import Runsc, gather_quiet
 from aenv.runtime.gvisor.stats import StatsReader, exit_cause
-from aenv.runtime.network import Network, Slot, SlotAddressing, SlotPool
+from aenv.runtime.net.network import Network, Slot, SlotAddressing, SlotPool
 from aenv.runtime.rootfs import RootfsMounts
 
 log = logging.getLogger("aenv.runtime")

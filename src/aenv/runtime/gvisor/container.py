@@ -15,7 +15,7 @@ from typing import Any
 from aenv.domain import Instance
 from aenv.errors import RuntimeFailure
 from aenv.runtime.base import SandboxSpec
-from aenv.runtime.network import Slot
+from aenv.runtime.net.network import Slot
 
 OVERLAY_MEMORY = "root:memory"  # rootfs writes in the sentry's memory (no `upper`)
 OVERLAY_NONE = "none"  # rootfs writes to the host overlay's upper dir

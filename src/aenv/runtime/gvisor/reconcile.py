@@ -17,7 +17,7 @@ from aenv.runtime.gvisor import bundles
 from aenv.runtime.gvisor.container import Container
 from aenv.runtime.gvisor.processes import Processes
 from aenv.runtime.gvisor.runsc import RUNNING_STATES
-from aenv.runtime.network import NETNS_DIR, SYS_NET, Network, SlotAddressing
+from aenv.runtime.net.network import NETNS_DIR, SYS_NET, Network, SlotAddressing
 from aenv.runtime.rootfs import RootfsMounts
 
 log = logging.getLogger("aenv.runtime")

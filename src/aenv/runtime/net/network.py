@@ -54,9 +54,9 @@ from aenv.config import Settings
 from aenv.domain import EgressPolicy
 from aenv.errors import RuntimeFailure
 from aenv.runtime import _proc
-from aenv.runtime.egress_proxy import PROXY_PORT, EgressProxies
-from aenv.runtime.egress_rules import EGRESS_CHAIN, egress_rules
-from aenv.runtime.host_nets import read_own_networks
+from aenv.runtime.net.egress_proxy import PROXY_PORT, EgressProxies
+from aenv.runtime.net.egress_rules import EGRESS_CHAIN, egress_rules
+from aenv.runtime.net.host_nets import read_own_networks
 
 log = logging.getLogger("aenv.runtime")
 

@@ -5,7 +5,7 @@ proxy when the policy names domains. Pure text; `Network.apply_egress` installs 
 from __future__ import annotations
 
 from aenv.domain import EgressPolicy
-from aenv.runtime.egress_proxy import PROXY_PORT, REDIRECTED_PORTS
+from aenv.runtime.net.egress_proxy import PROXY_PORT, REDIRECTED_PORTS
 
 EGRESS_CHAIN = "egress"  # in each router netns (so no prefix: nothing else lives there)
 

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from aenv.domain import EgressPolicy
-from aenv.runtime import sniff
+from aenv.runtime.net import sniff
 
 log = logging.getLogger("aenv.runtime")
 

@@ -32,8 +32,8 @@ from pathlib import Path
 
 from aenv.config import Settings
 from aenv.errors import RuntimeFailure
-from aenv.runtime.disks import run_tool
 from aenv.runtime.rootfs import is_mount_point
+from aenv.runtime.storage.disks import run_tool
 
 log = logging.getLogger("aenv.runtime")
 
