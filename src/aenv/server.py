@@ -17,7 +17,7 @@ from .orchestrator.storage import SandboxStorage
 from .proxy.ws import SERVER_OPTIONS as WS_SERVER_OPTIONS
 from .runtime import priority
 from .runtime.bundle_build import ensure_bundle
-from .runtime.gvisor import GVisorRuntime
+from .runtime.select import make_runtime
 from .runtime.storage.cowpool import open_pool
 from .serving import QuietServer, check_tls, uvicorn_config
 from .snapshots import SnapshotStore, open_repository
@@ -37,7 +37,7 @@ def build_orchestrator(settings: Settings) -> Orchestrator:
     pool = open_pool(settings)  # before the layer store: it may mount layers/
     layers = LayerStore(settings)
     bundle = ensure_bundle(settings)
-    runtime = GVisorRuntime(settings)
+    runtime = make_runtime(settings)
     storage = SandboxStorage(settings, layers, pool)
     repo = open_repository(settings.snapshots, settings.repo_dir)
     durable = Durable(

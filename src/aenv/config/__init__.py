@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     disk_spares: int = 2
     # Where layers and uppers live, chosen at a home's first start (`runtime/storage/cowpool.py`).
     storage: Literal["auto", "btrfs", "ext4"] = "auto"
+    # The runtime backend (`runtime/select.py`): gVisor, or the in-memory fake (tests: no
+    # sandbox ever boots, as nothing answers inside).
+    runtime: Literal["gvisor", "fake"] = "gvisor"
     default_timeout: int = 300
     max_timeout: int = 24 * 3600
 
