@@ -429,15 +429,13 @@ def test_a_killed_node_is_unhealthy_and_its_hibernated_sandboxes_move(cluster: C
         lambda: cluster.node_status(b)[victim_id] == "unhealthy", 10, 0.2, "the node unhealthy"
     )
     assert time.monotonic() - lost_at < 10
-    # its running sandbox: a clear answer at once, not a hang
-    t0 = time.monotonic()
+    # its running sandbox: a clear answer at once, not a hang (the client gives up at 5 s)
     r = httpx.get(
         f"{b.url}/health",
         headers={"E2b-Sandbox-Id": runner.sandbox_id, "E2b-Sandbox-Port": "49983"},
-        timeout=30,
+        timeout=5,
     )
     assert r.status_code == 502 and "unreachable" in r.json()["message"], r.text
-    assert time.monotonic() - t0 < 5
     # the hibernated one resumes on another node, under the same id
     moved = Sandbox.connect(sleeper.sandbox_id, **b.sdk())
     assert cluster.node_of(sleeper.sandbox_id) != victim_id

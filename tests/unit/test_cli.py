@@ -730,9 +730,9 @@ def test_run_command_writes_output_before_the_stream_ends(fake: FakeAenv) -> Non
 
     out, err = Sink(), io.BytesIO()
     with EnvdClient(fake.url, "sbx-a", "tok-sbx-a") as envd:
-        t0 = time.monotonic()
         code = run_command(envd, "streamy", stdout=out, stderr=err)
-    assert code == 3 and fake.gate_ok is True and time.monotonic() - t0 < 4
+    # The gate opened on out1: the output was streamed before the command ended.
+    assert code == 3 and fake.gate_ok is True
     assert out.getvalue() == b"out1\nout2\n" and err.getvalue() == b"err1\n"
 
 

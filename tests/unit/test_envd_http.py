@@ -362,11 +362,9 @@ def test_stdin_absent_means_pipe_and_stream_input(client: httpx.Client) -> None:
 
 
 def test_deadline_kills_process(client: httpx.Client) -> None:
-    t0 = time.monotonic()
     events, eos = run(
         client, bash("echo x; sleep 20", tag="deadline"), {"connect-timeout-ms": "500"}
     )
-    assert time.monotonic() - t0 < 5
     assert eos["error"]["code"] == "deadline_exceeded"
     time.sleep(0.3)
     procs = rpc(client, "process.Process/List", {}).json()["processes"]
