@@ -1,0 +1,166 @@
+"""The gateway's routing, over a real redis-server and two node-like servers on loopback: a
+create goes to a node that takes it (another is tried when one is full, a client's mistake
+is answered at once), the sandbox's later requests follow its binding, a fork's children
+are bound where their parent is, and a kill unbinds it."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from aenv.cluster.gateway import create_gateway_app
+from aenv.cluster.records import NodeRecord
+from aenv.cluster.state import ClusterState
+from aenv.config import Settings
+from tests.helpers import RedisServer, redis_server, uvicorn_task
+
+
+class FakeNode:
+    """A node's API as far as the gateway reads it; `full` answers creates 503."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.full = False
+        self.sandboxes: set[str] = set()
+        self.seen: list[str] = []
+        self._ids = itertools.count(1)
+
+    def app(self) -> Starlette:
+        async def create(request: Request) -> Response:
+            self.seen.append(f"{request.method} {request.url.path}")
+            body = await request.json()
+            if body.get("templateID") == "missing!":
+                return JSONResponse({"code": 400, "message": "bad template"}, 400)
+            if self.full:
+                return JSONResponse({"code": 503, "message": "the node is full"}, 503)
+            sid = f"{self.node_id}x{next(self._ids)}"
+            self.sandboxes.add(sid)
+            return JSONResponse({"sandboxID": sid, "templateID": body["templateID"]}, 201)
+
+        async def sandbox(request: Request) -> Response:
+            sid = request.path_params["sid"]
+            self.seen.append(f"{request.method} {request.url.path}")
+            if sid not in self.sandboxes:
+                return JSONResponse({"code": 404, "message": "not here"}, 404)
+            if request.method == "DELETE":
+                self.sandboxes.discard(sid)
+                return Response(status_code=204)
+            return JSONResponse({"sandboxID": sid, "node": self.node_id})
+
+        async def fork(request: Request) -> Response:
+            sid = request.path_params["sid"]
+            self.seen.append(f"{request.method} {request.url.path}")
+            children = [f"{sid}c{i}" for i in range(2)]
+            self.sandboxes.update(children)
+            return JSONResponse([{"sandbox": {"sandboxID": c}} for c in children], 201)
+
+        return Starlette(
+            routes=[
+                Route("/v2/sandboxes", create, methods=["POST"]),
+                Route("/sandboxes/{sid}", sandbox, methods=["GET", "DELETE"]),
+                Route("/sandboxes/{sid}/fork", fork, methods=["POST"]),
+            ]
+        )
+
+    def record(self, port: int) -> NodeRecord:
+        return NodeRecord(
+            node_id=self.node_id,
+            url=f"http://127.0.0.1:{port}",
+            cpu_count=8,
+            memory_total_mb=8192,
+            memory_budget_mb=8192,
+        )
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[RedisServer]:
+    with redis_server(tmp_path / "redis") as srv:
+        yield srv
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    srv: RedisServer, home: Path
+) -> AsyncIterator[tuple[httpx.AsyncClient, FakeNode, FakeNode, ClusterState]]:
+    a, b = FakeNode("na"), FakeNode("nb")
+    state = ClusterState(srv.url)
+    try:
+        async with uvicorn_task(a.app()) as pa, uvicorn_task(b.app()) as pb:
+            await state.heartbeat(a.record(pa), {}, None)
+            await state.heartbeat(b.record(pb), {}, None)
+            settings = Settings(home=home, redis_url=srv.url)
+            async with (
+                uvicorn_task(create_gateway_app(settings), lifespan="on") as pg,
+                httpx.AsyncClient(base_url=f"http://127.0.0.1:{pg}") as client,
+            ):
+                yield client, a, b, state
+    finally:
+        await state.close()
+
+
+def owner(a: FakeNode, b: FakeNode, sandbox_id: str) -> FakeNode:
+    return a if sandbox_id in a.sandboxes else b
+
+
+async def test_a_sandbox_is_created_on_a_node_and_followed_there(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    async with cluster(redis, tmp_path) as (client, a, b, state):
+        r = await client.post("/v2/sandboxes", json={"templateID": "base"})
+        assert r.status_code == 201, r.text
+        sid = r.json()["sandboxID"]
+        node = owner(a, b, sid)
+        assert await state.binding(sid) == node.node_id
+        got = await client.get(f"/sandboxes/{sid}")
+        assert got.json() == {"sandboxID": sid, "node": node.node_id}
+        other = b if node is a else a
+        assert not [s for s in other.seen if sid in s]
+
+
+async def test_a_full_node_passes_the_create_to_another(redis: RedisServer, tmp_path: Path) -> None:
+    async with cluster(redis, tmp_path) as (client, a, b, _):
+        a.full = True
+        for _ in range(3):
+            r = await client.post("/v2/sandboxes", json={"templateID": "base"})
+            assert r.status_code == 201, r.text
+            assert r.json()["sandboxID"] in b.sandboxes
+        b.full = True
+        r = await client.post("/v2/sandboxes", json={"templateID": "base"})
+        assert r.status_code == 503 and r.json()["message"] == "the node is full"
+
+
+async def test_a_clients_mistake_is_answered_by_the_first_node(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    async with cluster(redis, tmp_path) as (client, a, b, _):
+        r = await client.post("/v2/sandboxes", json={"templateID": "missing!"})
+        assert r.status_code == 400 and r.json()["message"] == "bad template"
+        # Not retried elsewhere: one node saw it.
+        assert len(a.seen) + len(b.seen) == 1
+
+
+async def test_fork_children_are_bound_with_their_parent_and_a_kill_unbinds(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    async with cluster(redis, tmp_path) as (client, a, b, state):
+        sid = (await client.post("/v2/sandboxes", json={"templateID": "base"})).json()["sandboxID"]
+        node = owner(a, b, sid)
+        forked = await client.post(f"/sandboxes/{sid}/fork", json={"count": 2})
+        assert forked.status_code == 201
+        children = [item["sandbox"]["sandboxID"] for item in forked.json()]
+        assert [await state.binding(c) for c in children] == [node.node_id] * 2
+        for c in children:
+            assert (await client.get(f"/sandboxes/{c}")).json()["node"] == node.node_id
+        assert (await client.delete(f"/sandboxes/{sid}")).status_code == 204
+        assert await state.binding(sid) is None
+        gone = await client.get(f"/sandboxes/{sid}")
+        assert gone.status_code == 404
