@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.aenv-installed
 export AENV_HOME ?= /var/lib/aenv
 
-.PHONY: install system venv console base code-interpreter run test test-unit test-integration lint bench soak proto clean
+.PHONY: install system venv console base code-interpreter run test test-unit test-integration lint contracts bench soak proto clean
 
 install: system venv console base
 
@@ -53,10 +53,15 @@ test-unit: venv
 test-integration: install
 	$(BIN)/python -m pytest -q -rs --timeout=600 tests/contract tests/integration
 
-lint: venv
+lint: venv contracts
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
 	$(BIN)/mypy
+
+# The import contracts: the layer order, no circles, the orchestrator seen only through its
+# package (every import counts, in functions and under TYPE_CHECKING too).
+contracts: venv
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit/test_import_layers.py
 
 bench: install
 	$(BIN)/aenv bench $(if $(QUICK),--quick,)
