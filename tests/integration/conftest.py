@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from aenv.runtime.rootfs import mount_points
+from tests import netplan
 from tests.helpers import ROOT, free_port, wait_healthy
 
 AENV = str(Path(sys.executable).with_name("aenv"))
@@ -138,8 +139,7 @@ def running_server(prefix: str, cidr: str | None, **extra: str) -> Iterator[Serv
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
     with running_server(
-        "aeit",
-        "10.203.0.0/16",
+        *netplan.slot_net("srv").astuple(),
         # A small node budget, so a test can run into it (fork with partial failure).
         AENV_MAX_MEMORY_MB="12288",
         AENV_HIBERNATE_AFTER="5",

@@ -1,5 +1,5 @@
 """A fake internet for egress tests: a network namespace of the test's own, joined to the host
-by a veth pair on a documentation range, with two documentation addresses that answer
+by a veth pair on a documentation range, with documentation addresses that answer
 
 * plain HTTP on :8080 and :80, and HTTPS on :443 (a test certificate; clients skip checks),
   each answer naming the address it was reached at and, on 80/443, the Host / SNI it got
@@ -20,11 +20,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests import netplan
 from tests.tls import make_certs
 
-NET_HOST, NET_PEER, TARGETS = "192.0.2.1", "192.0.2.2", "203.0.113.0/24"
-A, B, PORT = "203.0.113.10", "203.0.113.20", 8080
-DNS = "203.0.113.53"
+# The session's own link and /27 (tests/netplan.py): two sessions' fake internets coexist.
+NET_HOST, NET_PEER = netplan.link(0).host, netplan.link(0).peer
+TARGETS = str(netplan.targets())
+A, B, DNS = (str(netplan.targets()[i]) for i in (10, 20, 29))
+PORT = 8080
 # allowed.test and denied.test share an address: only the name tells them apart.
 NAMES = {"allowed.test": A, "denied.test": A, "other.test": B, "*.wild.test": B}
 
@@ -128,7 +131,7 @@ dns()
 def fake_internet() -> Iterator[None]:
     """Up for the duration of the context; names unique per run."""
     tok = secrets.token_hex(3)
-    ns, veth = f"aeegx-{tok}", f"aeegx{tok}"
+    ns, veth = f"{netplan.name('gx')}-{tok}", f"{netplan.name('gx')}{tok}"
     setup = f"""set -e
 ip netns add {ns}
 ip link add {veth} type veth peer name eth0 netns {ns}

@@ -26,6 +26,7 @@ from e2b import Sandbox
 from e2b.exceptions import SandboxException
 
 from aenv.nodenet import node_network
+from tests import netplan
 from tests.helpers import ROOT, RedisServer, free_port, wait_healthy, wait_until
 
 from .conftest import AENV, Server, running_server
@@ -33,7 +34,8 @@ from .helpers import wait_port
 
 pytestmark = pytest.mark.integration
 
-NODE_IDS = ("aecl-a", "aecl-b", "aecl-c")
+# Node ids of this session (each derives its own net prefix and range from its id).
+NODE_IDS = tuple(f"{netplan.name('cl')}-{n}" for n in "abc")
 KEY = "e2b_" + "c1" * 20
 
 

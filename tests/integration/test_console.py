@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from aenv.console.app import Console
+from tests import netplan
 from tests.helpers import ROOT, RedisServer, free_port, redis_server, wait_healthy
 from tests.integration.conftest import AENV, Server, running_server
 
@@ -67,11 +68,10 @@ def cluster_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSer
 def node(cluster_redis: RedisServer) -> Iterator[Server]:
     """A node in a cluster of one (so a gateway can stand in front of it)."""
     with running_server(
-        "aecon",
-        "10.231.0.0/16",
+        *netplan.slot_net("con").astuple(),
         AENV_HIBERNATE_AFTER="5",
         AENV_REDIS_URL=cluster_redis.url,
-        AENV_NODE_ID="aecon-node",
+        AENV_NODE_ID=f"{netplan.name('con')}-node",
         AENV_HEARTBEAT_SECONDS="1",
     ) as srv:
         yield srv

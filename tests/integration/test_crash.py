@@ -23,12 +23,13 @@ import pytest
 from e2b import Sandbox
 
 from aenv.runtime.rootfs import mount_points
+from tests import netplan
 from tests.integration.conftest import Server, running_server
 from tests.integration.helpers import sandbox_record
 
 pytestmark = pytest.mark.integration
 
-PREFIX, CIDR = "aecr", "10.217.0.0/16"
+PREFIX, CIDR = netplan.slot_net("crs").prefix, netplan.slot_net("crs").cidr
 MARK = "/home/user/crash.txt"
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import certifi
 import pytest
 
+from tests import netplan
 from tests.helpers import free_port
 from tests.integration.conftest import Server, running_server
 from tests.tls import make_certs
@@ -90,8 +91,7 @@ def node() -> Iterator[tuple[Server, dict[str, str]]]:
         mp.setenv("SSL_CERT_FILE", str(bundle))  # the harness's own requests to 127.0.0.1
         try:
             with running_server(
-                "aedom",
-                "10.227.0.0/16",
+                *netplan.slot_net("dom").astuple(),
                 AENV_LISTEN=f"127.0.0.1:{port}",
                 AENV_DOMAIN=domain,
                 AENV_TLS_CERT=str(tls.cert),

@@ -12,6 +12,7 @@ import pytest
 from e2b import Sandbox
 from e2b.exceptions import SandboxException
 
+from tests import netplan
 from tests.helpers import wait_until
 
 from .conftest import Server, running_server
@@ -81,7 +82,7 @@ def test_snapshot_travels_through_s3_to_a_fresh_node(s3_endpoint: str) -> None:
         AWS_DEFAULT_REGION="us-east-1",
     )
     name = f"s3-{uuid.uuid4().hex[:8]}"
-    with running_server("aes3a", "10.208.0.0/16", AENV_HIBERNATE_AFTER="0", **s3) as a:
+    with running_server(*netplan.slot_net("s3a").astuple(), AENV_HIBERNATE_AFTER="0", **s3) as a:
         c = {"api_key": a.api_key, "api_url": a.url, "sandbox_url": a.url}
         s = Sandbox.create(template="base", timeout=120, **c)  # type: ignore[arg-type]
         s.files.write("/home/user/travel.txt", "across nodes")
@@ -109,7 +110,7 @@ def test_snapshot_travels_through_s3_to_a_fresh_node(s3_endpoint: str) -> None:
             time.sleep(0.3)
         again.kill()
     # A new node with an empty home and the same bucket.
-    with running_server("aes3b", "10.209.0.0/16", **s3) as b:
+    with running_server(*netplan.slot_net("s3b").astuple(), **s3) as b:
         assert not (b.home / "images" / snap.snapshot_id).exists()
         c = {"api_key": b.api_key, "api_url": b.url, "sandbox_url": b.url}
         child = Sandbox.create(template=name, timeout=60, **c)  # type: ignore[arg-type]

@@ -1,8 +1,10 @@
 """Egress rules enforced in the network path, on real gVisor sandboxes (busybox, as in
 test_runtime_gvisor.py) against a fake internet this module makes:
 
-    host  <fake veth> 192.0.2.1/30  <──>  192.0.2.2/30 eth0, netns of its own
-          route 203.0.113.0/24 via 192.0.2.2      203.0.113.10, .20 on its lo, a listener on :8080
+    host  <fake veth> H/30  <──>  P/30 eth0, netns of its own
+          route T/27 via P                 A, B on its lo, a listener on :8080
+
+(H, P, T: the session's own link and block of the documentation ranges, tests/netplan.py.)
 
 The listener answers with the address it was reached at, so a probe knows which target it hit.
 Own net prefix and range; the fake internet (listener, route, veth, netns) is removed by name
@@ -24,6 +26,7 @@ from aenv.domain import EgressPolicy
 from aenv.runtime.base import Instance
 from aenv.runtime.gvisor import GVisorRuntime
 from aenv.runtime.net.network import SlotAddressing
+from tests import netplan
 
 from .fake_internet import NET_HOST, PORT, A, B, fake_internet
 from .test_runtime_gvisor import (
@@ -49,7 +52,7 @@ pytestmark = [
 
 __all__ = ["host_servers"]  # a fixture used here, imported for pytest to find
 
-PREFIX, CIDR = "aetse", "10.214.0.0/16"
+PREFIX, CIDR = netplan.slot_net("egr").prefix, netplan.slot_net("egr").cidr
 
 
 @pytest.fixture(scope="module")

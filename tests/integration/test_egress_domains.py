@@ -26,6 +26,7 @@ import pytest_asyncio
 from aenv.domain import EgressPolicy
 from aenv.runtime.base import Instance
 from aenv.runtime.gvisor import GVisorRuntime
+from tests import netplan
 
 from .fake_internet import DNS, PORT, A, B, fake_internet
 from .test_runtime_gvisor import host_nc, make_rootfs, rec, sh, spec, started_runtime, wait_http
@@ -39,8 +40,8 @@ pytestmark = [
     ),
 ]
 
-PREFIX, CIDR = "aetdn", "10.215.0.0/16"  # not aetsd: test_runtime_contract restarts under that
-LAN_HOST, LAN_PEER, LAN_PLEN = "198.51.100.1", "198.51.100.7", 24
+PREFIX, CIDR = netplan.slot_net("edn").prefix, netplan.slot_net("edn").cidr
+LAN_HOST, LAN_PEER, LAN_PLEN = str(netplan.lan()[1]), str(netplan.lan()[7]), netplan.lan().prefixlen
 
 # In the sandbox: a TLS client sending `$1` as its server name over the socket nc made.
 TLS_CLIENT = """exec 3<&0
@@ -56,7 +57,7 @@ def fake_lan() -> Iterator[None]:
     """A namespace on a /24 the host sits on (a LAN as far as the node can tell), with
     HTTP on :80 and :8080 at LAN_PEER."""
     tok = secrets.token_hex(3)
-    ns, veth = f"aelan-{tok}", f"aelan{tok}"
+    ns, veth = f"{netplan.name('ln')}-{tok}", f"{netplan.name('ln')}{tok}"
     setup = f"""set -e
 ip netns add {ns}
 ip link add {veth} type veth peer name eth0 netns {ns}

@@ -17,6 +17,7 @@ import certifi
 import httpx
 import pytest
 
+from tests import netplan
 from tests.integration.conftest import AENV, Server, running_server
 from tests.tls import TlsFiles, make_certs
 
@@ -52,8 +53,7 @@ def node(tls: TlsFiles) -> Iterator[Server]:
     mp.setenv("SSL_CERT_FILE", str(bundle))  # for wait_healthy and Server.client()
     try:
         with running_server(
-            "aetls",
-            "10.219.0.0/16",
+            *netplan.slot_net("tls").astuple(),
             AENV_TLS_CERT=str(tls.cert),
             AENV_TLS_KEY=str(tls.key),
             SSL_CERT_FILE=str(bundle),

@@ -14,6 +14,7 @@ import pytest_asyncio
 from aenv.config import Settings
 from aenv.runtime.base import Instance, Runtime
 from aenv.runtime.gvisor import GVisorRuntime
+from tests import netplan
 from tests.contract.runtime_contract import RuntimeContract, Specs
 
 from .test_runtime_gvisor import (
@@ -35,8 +36,8 @@ pytestmark = [
     ),
 ]
 
-PREFIX, CIDR = "aetsc", "10.205.0.0/16"
-RESTART_PREFIX, RESTART_CIDR = "aetsd", "10.206.0.0/16"
+PREFIX, CIDR = netplan.slot_net("rco").prefix, netplan.slot_net("rco").cidr
+RESTART_PREFIX, RESTART_CIDR = netplan.slot_net("rcr").prefix, netplan.slot_net("rcr").cidr
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from aenv.runtime.gvisor import GVisorRuntime
 from aenv.runtime.gvisor.container import Container
 from aenv.runtime.net.network import SlotAddressing
 from aenv.runtime.rootfs import mount_points
+from tests import netplan
 
 pytestmark = [
     pytest.mark.integration,
@@ -40,11 +41,10 @@ pytestmark = [
     ),
 ]
 
-PREFIX = "aetst"
-CIDR = "10.201.0.0/16"
-RECONCILE_PREFIX = "aetsr"
-RECONCILE_CIDR = "10.204.0.0/16"
-EXT_NS, EXT_IF, EXT_HOST, EXT_PEER = "aetstx", "aetstx0", "10.202.77.1", "10.202.77.2"
+PREFIX, CIDR = netplan.slot_net("rgv").prefix, netplan.slot_net("rgv").cidr
+RECONCILE_PREFIX, RECONCILE_CIDR = netplan.slot_net("rrc").prefix, netplan.slot_net("rrc").cidr
+EXT_NS, EXT_IF = netplan.name("ext"), netplan.name("ext0")
+EXT_HOST, EXT_PEER = netplan.link(1).host, netplan.link(1).peer
 PORT = 49983
 MiB = 1024 * 1024
 
@@ -1182,11 +1182,11 @@ async def test_parallel_restores(
 
 def crash(rt: GVisorRuntime) -> None:
     """Drops a runtime like a killed process would: no cleanup, pool slots left behind."""
-    for task in (rt.pool._task, rt._reaper):
+    for task in (rt.pool._task, rt.reaper._task):
         if task is not None:
             task.cancel()
     rt.pool._task = None
-    rt._reaper = None
+    rt.reaper._task = None
 
 
 async def test_reconcile_after_crash(

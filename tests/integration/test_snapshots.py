@@ -13,6 +13,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
+from tests import netplan
 from tests.helpers import wait_until
 
 from .conftest import Server, running_server, sdk_pointed_at
@@ -245,7 +246,7 @@ def own_server(e2b_env: Server) -> Iterator[Server]:
     """A node of the test's own, for a test that kills its server with -9: on the shared
     one, other tests' sandboxes would be cut mid-operation by the crash."""
     with (
-        running_server("aerst", "10.229.0.0/16", AENV_HIBERNATE_AFTER="5") as srv,
+        running_server(*netplan.slot_net("rst").astuple(), AENV_HIBERNATE_AFTER="5") as srv,
         sdk_pointed_at(srv),
     ):
         yield srv
@@ -387,7 +388,7 @@ def test_hibernations_right_after_commands_resume_answering() -> None:
     connections to the sandbox are still open (they are aborted first): every resume must
     answer. A checkpoint that still held one restored with a wedged envd, about one in ten."""
     with (
-        running_server("aehib", "10.233.0.0/16", AENV_HIBERNATE_AFTER="0") as srv,
+        running_server(*netplan.slot_net("hib").astuple(), AENV_HIBERNATE_AFTER="0") as srv,
         sdk_pointed_at(srv),
     ):
         s = Sandbox.create(template="base", timeout=300)

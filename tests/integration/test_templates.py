@@ -27,6 +27,7 @@ import pytest
 from e2b import Sandbox, Template
 from e2b.exceptions import BuildException
 
+from tests import netplan
 from tests.helpers import wait_healthy
 
 from .conftest import AENV, TEST_REGISTRY, Server, running_server
@@ -606,8 +607,7 @@ def _unreferenced_usage(home: Path) -> tuple[int, set[str]]:
 def test_small_layer_cache_keeps_its_bound(images: Images) -> None:
     capacity = 1_000_000
     with running_server(
-        "aeic",
-        "10.213.0.0/16",
+        *netplan.slot_net("tpl").astuple(),
         AENV_LAYER_CACHE_GB=str(capacity / (1 << 30)),
         AENV_INSECURE_REGISTRIES=TEST_REGISTRY,
     ) as srv:

@@ -178,11 +178,12 @@ class ProcStat:
         return self.state in ("Z", "X") and self.threads <= 1
 
 
-def become_subreaper() -> bool:
-    """Makes this process the reaper of its orphaned descendants (Linux >= 3.4)."""
+def become_subreaper(on: bool = True) -> bool:
+    """Makes this process the reaper of its orphaned descendants (Linux >= 3.4), or with
+    `on=False` no longer."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)) == 0
     except (OSError, AttributeError):
         return False
 

@@ -16,13 +16,14 @@ from aenv.background import Background
 from aenv.config import Settings
 from aenv.domain import ENVD_PORT, EgressPolicy
 from aenv.errors import RuntimeFailure
-from aenv.runtime import _proc, naps, priority, rootfs
+from aenv.runtime import naps, priority, rootfs
 from aenv.runtime.base import Instance, Runtime, SandboxSpec, Stats
 from aenv.runtime.freezer import CGROUP_ROOT, Freezer
 from aenv.runtime.gvisor import bundles, control, netquiet, oci, runsc
 from aenv.runtime.gvisor.container import OVERLAY_MEMORY, Container, new_container_id
 from aenv.runtime.gvisor.guarding import ContainerGuards
 from aenv.runtime.gvisor.processes import Processes
+from aenv.runtime.gvisor.reaping import Reaper
 from aenv.runtime.gvisor.reconcile import Reconciler
 from aenv.runtime.gvisor.runsc import Runsc, gather_quiet
 from aenv.runtime.gvisor.stats import StatsReader, exit_cause
@@ -61,8 +62,7 @@ class GVisorRuntime(Runtime):
         self._destroying: set[str] = set()
         # Containers being stopped, or stopped ones being started again.
         self._busy: set[str] = set()
-        self._subreaper = False
-        self._reaper: asyncio.Task[None] | None = None
+        self.reaper = Reaper()
         self._tasks = Background(
             on_failure=lambda e: log.warning("background runtime task failed: %s", e)
         )
@@ -76,10 +76,8 @@ class GVisorRuntime(Runtime):
         s = self.settings
         for d in (s.runsc_root, s.sandboxes_dir):
             await asyncio.to_thread(d.mkdir, parents=True, exist_ok=True)
-        if not self._subreaper:
-            self._subreaper = _proc.become_subreaper()
-            if not self._subreaper:
-                log.warning("cannot become a child subreaper: deleting containers is slower")
+        # Before the first container starts: its orphaned processes must come to us.
+        self.reaper.start()
         await self.runsc.probe()
         await asyncio.to_thread(priority.favour_node, s.net_prefix)
         await self.rootfs.prepare()
@@ -91,32 +89,16 @@ class GVisorRuntime(Runtime):
                 self.guards.arm(c)
         self._live = dict(recovered)
         self.pool.start(reserved={c.slot for c in recovered.values()})
-        if self._subreaper and self._reaper is None:
-            self._reaper = asyncio.create_task(self._reap_loop(), name="aenv-reaper")
         self._started = True
         return {cid: c.handle() for cid, c in recovered.items()}
 
     async def close(self) -> None:
         self._started = False
         self.guards.close()
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-            self._reaper = None
         await self.pool.close()
         await self.wait_idle()
         await self.network.close()
-
-    async def _reap_loop(self, interval: float = 10.0) -> None:
-        """Reaps runsc processes that exited on their own (a sandbox's systrap stubs, a
-        sandbox that died): stop/destroy reap what they end, this catches the rest."""
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await asyncio.to_thread(_proc.reap_adopted)
-            except Exception as e:  # never let housekeeping die
-                log.warning("reaping runsc processes: %s", e)
+        await self.reaper.close()
 
     async def wait_idle(self) -> None:
         """Awaits the background work started so far (the rest of destroys)."""
