@@ -35,11 +35,13 @@ SRC
 fi
 echo "aenv: installing system packages:$missing" >&2
 export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-apt-get install -y -qq --no-install-recommends $(echo "$missing" | sed 's/runsc//') >/dev/null
-case "$missing" in *runsc*) apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null ;; esac
-# The packaged services must not hold ports the tests use; tests start their own.
-for svc in redis-server docker-registry; do
-    systemctl disable --now "$svc" >/dev/null 2>&1 || true
-    pkill -f "/usr/bin/$svc" 2>/dev/null || true
-done
+# Two installs at once (two `make test` on a fresh machine) take turns at dpkg's lock.
+apt="apt-get -o DPkg::Lock::Timeout=900"
+$apt update -qq
+$apt install -y -qq --no-install-recommends $(echo "$missing" | sed 's/runsc//') >/dev/null
+case "$missing" in *runsc*) $apt install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null ;; esac
+# The packaged services must not hold ports the tests use; tests start their own (which
+# this must not stop: another session's may be running), so only the packaged commands.
+systemctl disable --now redis-server docker-registry >/dev/null 2>&1 || true
+pkill -f "^/usr/bin/redis-server 127.0.0.1:6379" 2>/dev/null || true
+pkill -f "^/usr/bin/docker-registry serve /etc/docker/registry" 2>/dev/null || true
