@@ -1,14 +1,33 @@
-"""The node process: builds the parts once from Settings and serves them with uvicorn."""
+"""The composition root: the one place where a process is built from its Settings.
+
+A node: Settings → runtime (`AENV_RUNTIME`) → stores → orchestrator → builder, API keys and
+(in a cluster) the agent → the app, with one lifespan that starts those parts in that order
+and closes them in reverse. A gateway: Settings → cluster state, scheduler, directory, node
+client → the gateway app, likewise. `serve`/`serve_gateway` run them on uvicorn.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp
 
 from .api.app import create_app
+from .builds.builder import Builder
+from .cluster.agent import NodeAgent
+from .cluster.directory import Directory, Discover
+from .cluster.forward import NodeClient
+from .cluster.gateway import Gateway, create_gateway_app, kubernetes_discovery
+from .cluster.scheduler import load_scheduler
+from .cluster.state import ClusterState
 from .config import Settings
+from .errors import AenvError
 from .fsutil import private_tree
 from .images.layers import LayerStore
+from .keys import KeyStore
 from .logctx import configure as configure_logging
 from .orchestrator import Orchestrator
 from .orchestrator.catalog import Catalog
@@ -16,10 +35,11 @@ from .orchestrator.durable import Durable
 from .orchestrator.storage import SandboxStorage
 from .proxy.ws import SERVER_OPTIONS as WS_SERVER_OPTIONS
 from .runtime import priority
+from .runtime.base import Runtime
 from .runtime.bundle_build import ensure_bundle
 from .runtime.select import make_runtime
 from .runtime.storage.cowpool import open_pool
-from .serving import QuietServer, check_tls, uvicorn_config
+from .serving import Part, QuietServer, check_tls, lifespan_of, uvicorn_config
 from .snapshots import SnapshotStore, open_repository
 
 log = logging.getLogger("aenv.server")
@@ -31,13 +51,15 @@ def prepare_home(settings: Settings) -> None:
     private_tree(settings.home, whole=(settings.secrets_dir.name,))
 
 
-def build_orchestrator(settings: Settings) -> Orchestrator:
+def build_orchestrator(settings: Settings, runtime: Runtime | None = None) -> Orchestrator:
+    """The node's orchestrator over its stores and the runtime `settings.runtime` names
+    (or `runtime`, already built)."""
     prepare_home(settings)
     catalog = Catalog(settings.catalog_path)
     pool = open_pool(settings)  # before the layer store: it may mount layers/
     layers = LayerStore(settings)
     bundle = ensure_bundle(settings)
-    runtime = make_runtime(settings)
+    runtime = runtime or make_runtime(settings)
     storage = SandboxStorage(settings, layers, pool)
     repo = open_repository(settings.snapshots, settings.repo_dir)
     durable = Durable(
@@ -49,16 +71,89 @@ def build_orchestrator(settings: Settings) -> Orchestrator:
     return Orchestrator(settings, catalog, runtime, storage=storage, bundle=bundle, durable=durable)
 
 
-def serve(settings: Settings) -> None:
+class _KeyBootstrap:
+    """Makes the first API key of a fresh home (printed once) before the node serves."""
+
+    def __init__(self, settings: Settings, keys: KeyStore) -> None:
+        self.settings, self.keys = settings, keys
+
+    async def start(self) -> None:
+        fresh = self.keys.bootstrap(generate=not self.settings.api_key)
+        if fresh:
+            print(
+                f"aenv: generated API key 'default' (also in {self.settings.api_key_file}):"
+                f"\n  {fresh}",
+                file=sys.stderr,
+            )
+
+    async def close(self) -> None:
+        return None
+
+
+def node_app(settings: Settings, orchestrator: Orchestrator | None = None) -> ASGIApp:
+    """The node's one ASGI app and its parts (`orchestrator`: one already built, as tests
+    give one over the fake runtime)."""
+    orch = orchestrator if orchestrator is not None else build_orchestrator(settings)
+    keys = KeyStore.of(settings)
+    orch.use_quotas(keys.quota_of)
+    builder = Builder(settings, orch)
+    parts: list[Part] = [_KeyBootstrap(settings, keys), orch, builder]
+    if settings.redis_url:
+        parts.append(NodeAgent(settings, orch, ClusterState(settings.redis_url)))
+    return create_app(settings, orch, keys=keys, builder=builder, lifespan=lifespan_of(*parts))
+
+
+@dataclass
+class _Closing:
+    """A part with nothing to start (its connections open on first use)."""
+
+    closer: Callable[[], Awaitable[None]]
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        await self.closer()
+
+
+def gateway_app(settings: Settings) -> ASGIApp:
+    """The gateway's one ASGI app over the cluster's Redis (`AENV_REDIS_URL`)."""
+    if not settings.redis_url:
+        raise AenvError("aenv gateway needs AENV_REDIS_URL (the cluster's Redis)")
+    state = ClusterState(settings.redis_url)
+    scheduler = load_scheduler(settings.scheduler)
+    discover: Discover | None = None
+    if settings.discovery == "kubernetes":
+        discover = kubernetes_discovery(settings)
+    directory = Directory(settings, state, scheduler, discover)
+    nodes = NodeClient()
+    gateway = Gateway(settings, state, directory, nodes, scheduler)
+    lifespan = lifespan_of(_Closing(nodes.aclose), _Closing(state.close))
+    return create_gateway_app(settings, gateway, directory, lifespan)
+
+
+def _serving(settings: Settings) -> None:
     configure_logging(settings.log_format)
     # Every envd health probe would be an INFO line.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     check_tls(settings)
+
+
+def serve(settings: Settings) -> None:
+    _serving(settings)
     priority.raise_node()  # before any thread: they inherit it
     # Worker threads (file copies, checkpoints) hand the GIL back to the event loop sooner:
     # a request waits on it at most ~1 ms a switch instead of 5.
     sys.setswitchinterval(0.001)
-    orch = build_orchestrator(settings)
-    app = create_app(settings, orch)
+    app = node_app(settings)
     print(f"aenv: serving on {settings.url} (home {settings.home})", file=sys.stderr)
+    QuietServer(uvicorn_config(app, settings, WS_SERVER_OPTIONS)).run()
+
+
+def serve_gateway(settings: Settings) -> None:
+    _serving(settings)
+    app = gateway_app(settings)
+    print(
+        f"aenv: gateway serving on {settings.url} (cluster {settings.redis_url})", file=sys.stderr
+    )
     QuietServer(uvicorn_config(app, settings, WS_SERVER_OPTIONS)).run()

@@ -1,6 +1,6 @@
 """Serving one port with uvicorn, for a node and a gateway alike: the TLS files checked at
 start-up, the server loop's own wake-ups kept few, asyncio's child processes waited for on
-the loop."""
+the loop, and the one lifespan that starts and closes a process's parts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import os
 import socket
 import ssl
 import sys
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from typing import Any, Protocol
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -85,3 +87,30 @@ def uvicorn_config(app: ASGIApp, settings: Settings, ws_options: dict[str, Any])
         ssl_keyfile=settings.tls_key,
         **ws_options,
     )
+
+
+Lifespan = Callable[[Any], AbstractAsyncContextManager[None]]
+
+
+class Part(Protocol):
+    """What a process starts before it serves and closes after (the orchestrator, the
+    builder, the cluster agent...)."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def lifespan_of(*parts: Part) -> Lifespan:
+    """One ASGI lifespan for a process's parts: started in order, closed in reverse; a
+    start that fails closes those already started."""
+
+    @asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            for part in parts:
+                await part.start()
+                stack.push_async_callback(part.close)
+            yield
+
+    return lifespan

@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from aenv.api.app import create_control_app
 from aenv.domain import CreateRequest, Quota, SandboxState
 from aenv.errors import TooManyRequests, Unavailable
 from aenv.keys import KeyStore
 from aenv.orchestrator import boot
+from aenv.server import node_app
 from tests.node_harness import Harness, started
 
 API_KEY = "admission-test-key-0123456789"
@@ -59,7 +59,7 @@ async def test_creates_past_the_boot_queue_are_refused_at_once(node: Harness) ->
 
 
 async def test_the_api_answers_503_with_retry_after(node: Harness) -> None:
-    app = create_control_app(node.settings, node.orch)
+    app = node_app(node.settings, node.orch)
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app),
         base_url="http://aenv",
@@ -96,7 +96,7 @@ async def test_a_key_past_its_quota_gets_429_and_others_go_on(node: Harness) -> 
     store = KeyStore.of(node.settings)
     small, _ = store.create("small", quota=Quota(max_sandboxes=2, max_memory_mb=10_000))
     other, _ = store.create("other")
-    app = create_control_app(node.settings, node.orch)
+    app = node_app(node.settings, node.orch)
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://aenv"
     ) as c:

@@ -12,13 +12,13 @@ from urllib.parse import quote, urlencode
 import httpx
 import pytest
 
-from aenv.api.app import create_app
 from aenv.api.idempotency import IdempotencyCache
 from aenv.api.listing import Cursor, paginate, parse_metadata_filter
 from aenv.config import Settings
 from aenv.domain import CreateRequest, EgressPolicy, SandboxRecord, Timings, Upstream
 from aenv.domain import SandboxState as State
 from aenv.errors import BadRequest, Conflict, NotFound
+from aenv.server import node_app
 from tests.helpers import uvicorn_thread
 
 API_KEY = "e2b_test_key_0123456789"
@@ -199,7 +199,7 @@ def orch() -> FakeOrchestrator:
 
 @pytest.fixture
 async def client(settings: Settings, orch: FakeOrchestrator) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings, orch)  # type: ignore[arg-type]
+    app = node_app(settings, orch)  # type: ignore[arg-type]
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(
         transport=transport, base_url="http://test", headers={"X-API-Key": API_KEY}
@@ -271,7 +271,7 @@ async def test_sandbox_headers_go_to_the_data_plane(client: httpx.AsyncClient) -
 async def test_auth_rejections(
     settings: Settings, orch: FakeOrchestrator, headers: list[tuple[str, str]]
 ) -> None:
-    app = create_app(settings, orch)  # type: ignore[arg-type]
+    app = node_app(settings, orch)  # type: ignore[arg-type]
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         for path in ("/sandboxes", "/v2/sandboxes"):
             r = await c.get(path, headers=headers)
@@ -386,7 +386,7 @@ async def test_openapi_and_docs_are_public(client: httpx.AsyncClient) -> None:
 
 async def test_lifespan_starts_and_closes_orchestrator(settings: Settings) -> None:
     orch = FakeOrchestrator()
-    app = create_app(settings, orch)  # type: ignore[arg-type]
+    app = node_app(settings, orch)  # type: ignore[arg-type]
     inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
@@ -486,7 +486,7 @@ async def test_domain_is_returned_and_routes_sandbox_hosts(
     sandbox hosts from it) and routes `{port}-{id}.{domain}` to the sandbox, the rest of
     the names under it (`api.{domain}`) to the control plane."""
     settings = Settings(api_key=API_KEY, home=tmp_path, domain="aenv.example.com:8443")
-    app = create_app(settings, orch)  # type: ignore[arg-type]
+    app = node_app(settings, orch)  # type: ignore[arg-type]
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(
         transport=transport,
@@ -876,7 +876,7 @@ async def test_pause_connect_resume(client: httpx.AsyncClient, orch: FakeOrchest
 @pytest.fixture
 def served(settings: Settings) -> Iterator[tuple[str, FakeOrchestrator]]:
     orch = FakeOrchestrator()
-    app = create_app(settings, orch)  # type: ignore[arg-type]
+    app = node_app(settings, orch)  # type: ignore[arg-type]
     with uvicorn_thread(app, lifespan="on") as url:
         yield url, orch
 

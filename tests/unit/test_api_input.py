@@ -10,7 +10,6 @@ from typing import Any
 import httpx
 import pytest
 
-from aenv.api.app import create_app
 from aenv.api.inputs import (
     MAX_METADATA_KEYS,
     MAX_METADATA_TOTAL_BYTES,
@@ -18,6 +17,7 @@ from aenv.api.inputs import (
 )
 from aenv.config import Settings
 from aenv.envd.envrules import MAX_ENV_TOTAL_BYTES, MAX_ENV_VALUE_BYTES, env_problem
+from aenv.server import node_app
 from tests.unit.test_api import API_KEY, FakeOrchestrator, assert_error
 
 
@@ -28,7 +28,7 @@ def orch() -> FakeOrchestrator:
 
 @pytest.fixture
 async def client(tmp_path: Path, orch: FakeOrchestrator) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(Settings(api_key=API_KEY, home=tmp_path), orch)  # type: ignore[arg-type]
+    app = node_app(Settings(api_key=API_KEY, home=tmp_path), orch)  # type: ignore[arg-type]
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app),
         base_url="http://test",

@@ -3,8 +3,6 @@ layer-stack reads, the in-sandbox COPY helper (run on a scratch root) and the AP
 
 from __future__ import annotations
 
-import asyncio
-import builtins
 import io
 import json
 import os
@@ -18,16 +16,14 @@ from typing import Any
 import httpx
 import pytest
 
-from aenv.api.app import create_control_app
 from aenv.builds import stack
 from aenv.builds.files import BuildFiles
 from aenv.builds.spec import BuildState, Step, apply_state_step, cache_key, parse_spec
 from aenv.builds.store import BuildReason, BuildRecord, BuildStore, LogEntry
 from aenv.builds.tags import split_name
-from aenv.config import Settings
-from aenv.domain import TemplateRecord
-from aenv.errors import BadRequest, Forbidden, NotFound
-from aenv.orchestrator.catalog import Catalog
+from aenv.errors import BadRequest, Forbidden
+from aenv.server import node_app
+from tests import node_harness
 
 ROOT = os.geteuid() == 0
 HELPER = Path(__file__).resolve().parents[2] / "src/aenv/builds/copy_in_sandbox.py"
@@ -358,33 +354,9 @@ def test_copy_helper_keeps_symlinks_and_refuses_escapes(tmp_path: Path) -> None:
 # routes (no sandboxes: a build is only requested, its record and logs written directly)
 
 
-class _Orch:
-    """Enough of an orchestrator for the build routes that do not boot anything: its
-    template calls over a real catalog."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.catalog = Catalog(tmp / "catalog.db")
-
-    def list(self, **_: Any) -> list[Any]:
-        return []
-
-    def use_quotas(self, quotas: Any) -> None:
-        pass
-
-    async def find_template(self, id_or_name: str) -> TemplateRecord | None:
-        return await asyncio.to_thread(self.catalog.template, id_or_name)
-
-    async def templates(self) -> builtins.list[TemplateRecord]:
-        return await asyncio.to_thread(self.catalog.templates)
-
-    async def delete_template(self, template_id: str) -> None:
-        if not await asyncio.to_thread(self.catalog.delete_template, template_id):
-            raise NotFound(f"template {template_id!r} not found")
-
-
 async def test_routes_request_upload_and_status(tmp_path: Path) -> None:
-    settings = Settings(api_key="k", home=tmp_path)
-    app = create_control_app(settings, _Orch(tmp_path))  # type: ignore[arg-type]
+    node = node_harness.build(tmp_path, api_key="k")  # the real orchestrator, fake runtime
+    app = node_app(node.settings, node.orch)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(
         transport=transport, base_url="http://node.example:8123", headers={"X-API-Key": "k"}
@@ -454,7 +426,8 @@ async def test_routes_request_upload_and_status(tmp_path: Path) -> None:
 
         # Listed (its only build failed), alias known, deleted with its builds.
         listed = (await c.get("/templates")).json()
-        assert [(t["templateID"], t["buildStatus"]) for t in listed] == [(tid, "waiting")]
+        ours = [(t["templateID"], t["buildStatus"]) for t in listed if t["templateID"] != "base"]
+        assert ours == [(tid, "waiting")]
         assert (await c.get("/templates/aliases/demo")).json()["templateID"] == tid
         assert (await c.get("/templates/aliases/other")).status_code == 404
         info = (await c.get(f"/templates/{tid}")).json()

@@ -17,10 +17,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from aenv.cluster.gateway import create_gateway_app
 from aenv.cluster.records import NodeRecord
 from aenv.cluster.state import ClusterState
 from aenv.config import Settings
+from aenv.server import gateway_app
 from tests.helpers import RedisServer, redis_server, uvicorn_task
 
 
@@ -99,7 +99,7 @@ async def cluster(
             await state.heartbeat(b.record(pb), {}, None)
             settings = Settings(home=home, redis_url=srv.url)
             async with (
-                uvicorn_task(create_gateway_app(settings), lifespan="on") as pg,
+                uvicorn_task(gateway_app(settings), lifespan="on") as pg,
                 httpx.AsyncClient(base_url=f"http://127.0.0.1:{pg}") as client,
             ):
                 yield client, a, b, state

@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from aenv.api.app import create_app
 from aenv.config import Settings
 from aenv.console import STATIC_DIR, VENDOR_DIR, VENDOR_FILES, console_app
 from aenv.console.app import Console
+from aenv.server import gateway_app, node_app
 from tests.unit.test_api import FakeOrchestrator
 
 API_KEY = "e2b_console_unit_key"
@@ -27,7 +27,7 @@ def _client(app: object) -> httpx.AsyncClient:
 
 @pytest.fixture
 async def node(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(Settings(api_key=API_KEY, home=tmp_path), FakeOrchestrator())  # type: ignore[arg-type]
+    app = node_app(Settings(api_key=API_KEY, home=tmp_path), FakeOrchestrator())  # type: ignore[arg-type]
     async with _client(app) as c:
         yield c
 
@@ -176,10 +176,9 @@ async def test_api_calls_still_need_the_key(node: httpx.AsyncClient) -> None:
 
 
 async def test_gateway_serves_the_console(tmp_path: Path) -> None:
-    from aenv.cluster.gateway import create_gateway_app
 
     # Redis is only reached by API requests; the console's never touch it.
-    app = create_gateway_app(Settings(home=tmp_path, redis_url="redis://127.0.0.1:9/0"))
+    app = gateway_app(Settings(home=tmp_path, redis_url="redis://127.0.0.1:9/0"))
     async with _client(app) as c:
         r = await c.get("/console/sandboxes/abc")
         assert r.status_code == 200 and '<base href="/console/">' in r.text

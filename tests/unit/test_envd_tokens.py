@@ -14,14 +14,14 @@ from typing import Any
 import httpx
 import pytest
 
-from aenv.api.app import create_app
+from aenv.server import node_app
 from tests.node_harness import Harness, started
 
 KEY = "test-key"
 
 
 async def _api(h: Harness) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(h.settings, h.orch)
+    app = node_app(h.settings, h.orch)
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app),
         base_url="http://test",

@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 import aenv.keys
-from aenv.api.app import create_app
 from aenv.config import Settings
 from aenv.errors import BadRequest, Conflict, NotFound
 from aenv.keys import KeyStore
+from aenv.server import node_app
 from tests.helpers import uvicorn_thread
 from tests.unit.test_api import FakeOrchestrator, assert_error
 
@@ -198,7 +198,7 @@ def settings(tmp_path: Path) -> Settings:
 
 @pytest.fixture
 async def client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings, FakeOrchestrator())  # type: ignore[arg-type]
+    app = node_app(settings, FakeOrchestrator())  # type: ignore[arg-type]
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://test"
     ) as c:
@@ -239,7 +239,7 @@ async def test_the_environment_key_always_works(tmp_path: Path) -> None:
     store = KeyStore.of(settings)
     key, _ = store.create("ci")
     store.remove("ci", allow_last=True)
-    app = create_app(settings, FakeOrchestrator())  # type: ignore[arg-type]
+    app = node_app(settings, FakeOrchestrator())  # type: ignore[arg-type]
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         for headers in ({"X-API-Key": FIXED_KEY}, {"Authorization": f"Bearer {FIXED_KEY}"}):
             assert (await c.get("/sandboxes", headers=headers)).status_code == 200
@@ -247,7 +247,7 @@ async def test_the_environment_key_always_works(tmp_path: Path) -> None:
 
 
 def test_server_start_generates_the_default_key(settings: Settings) -> None:
-    app = create_app(settings, FakeOrchestrator())  # type: ignore[arg-type]
+    app = node_app(settings, FakeOrchestrator())  # type: ignore[arg-type]
     with uvicorn_thread(app) as url:  # runs the lifespan, as `aenv server` does
         key = settings.api_key_file.read_text().strip()
         assert re.fullmatch(r"e2b_[0-9a-f]{40}", key)
@@ -258,7 +258,7 @@ def test_server_start_generates_the_default_key(settings: Settings) -> None:
 
 def test_no_key_is_generated_beside_the_environment_key(tmp_path: Path) -> None:
     settings = Settings(home=tmp_path, api_key=FIXED_KEY)
-    app = create_app(settings, FakeOrchestrator())  # type: ignore[arg-type]
+    app = node_app(settings, FakeOrchestrator())  # type: ignore[arg-type]
     with uvicorn_thread(app):
         pass
     assert not settings.api_key_file.exists() and not settings.api_keys_file.exists()

@@ -15,11 +15,11 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from aenv.api.app import create_app
 from aenv.cli.main import app
 from aenv.config import Settings
 from aenv.errors import AenvError
 from aenv.keys import KeyStore
+from aenv.server import node_app
 from aenv.serving import check_tls
 from tests.helpers import uvicorn_thread
 from tests.tls import make_certs
@@ -196,7 +196,7 @@ def https_node(home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     tls = make_certs(home / "tls")
     cert, key = tls.cert, tls.key
     settings = Settings(home=home, api_key=FIXED_KEY, tls_cert=cert, tls_key=key)
-    control = create_app(settings, FakeOrchestrator())  # type: ignore[arg-type]
+    control = node_app(settings, FakeOrchestrator())  # type: ignore[arg-type]
     with uvicorn_thread(control, ssl_certfile=str(cert), ssl_keyfile=str(key)) as url:
         port = url.rsplit(":", 1)[1]
         for name, value in {

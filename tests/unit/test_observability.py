@@ -17,11 +17,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from aenv.api.app import create_control_app
 from aenv.domain import CreateRequest
 from aenv.errors import NotFound, RuntimeFailure
 from aenv.logctx import JsonFormatter, SandboxIdFilter, TextFormatter, sandbox_context
 from aenv.orchestrator import metrics as metrics_mod
+from aenv.server import node_app
 from tests.node_harness import Harness, started
 
 API_KEY = "obs-test-key-0123456789"
@@ -192,7 +192,7 @@ async def test_prometheus_exposition(node: Harness) -> None:
 # ---------------------------------------------------------------------------- API
 @pytest.fixture
 async def api(node: Harness) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_control_app(node.settings, node.orch)  # lifespan not run: the node is up
+    app = node_app(node.settings, node.orch)  # lifespan not run: the node is up
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(
         transport=transport, base_url="http://aenv", headers={"X-API-Key": API_KEY}

@@ -7,19 +7,17 @@ everything else to the control app built by `create_control_app`.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-
 from fastapi import FastAPI
 from starlette.types import ASGIApp
 
 from aenv import __version__
+from aenv.builds.builder import Builder
 from aenv.config import Settings
 from aenv.console import install_console
 from aenv.keys import KeyStore
 from aenv.orchestrator import Orchestrator
 from aenv.proxy.dispatch import SandboxRouter
+from aenv.serving import Lifespan
 
 from .errors import install_error_handlers
 from .idempotency import IdempotencyCache
@@ -37,32 +35,16 @@ from .routes import (
 )
 
 
-def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAPI:
-    """The E2B control plane alone (no data-plane routing); its lifespan owns the orchestrator."""
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        fresh = app.state.api_keys.bootstrap(generate=not settings.api_key)
-        if fresh:
-            print(
-                f"aenv: generated API key 'default' (also in {settings.api_key_file}):\n  {fresh}",
-                file=sys.stderr,
-            )
-        await orchestrator.start()
-        agent = None
-        if settings.redis_url:
-            from aenv.cluster.agent import NodeAgent
-            from aenv.cluster.state import ClusterState
-
-            agent = NodeAgent(settings, orchestrator, ClusterState(settings.redis_url))
-            await agent.start()
-        try:
-            yield
-        finally:
-            if agent is not None:
-                await agent.close()
-            await orchestrator.close()
-
+def create_control_app(
+    settings: Settings,
+    orchestrator: Orchestrator,
+    *,
+    keys: KeyStore,
+    builder: Builder,
+    lifespan: Lifespan | None = None,
+) -> FastAPI:
+    """The E2B control plane alone (no data-plane routing) over the node's parts;
+    `lifespan` starts and closes them (`aenv.server` builds both)."""
     app = FastAPI(
         title="aenv",
         version=__version__,
@@ -73,8 +55,7 @@ def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAP
     app.state.settings = settings
     app.state.orchestrator = orchestrator
     app.state.idempotency = IdempotencyCache()
-    app.state.api_keys = keys = KeyStore.of(settings)
-    orchestrator.use_quotas(keys.quota_of)
+    app.state.api_keys = keys
     install_error_handlers(app)
     # Build contexts and volume files stream to disk; every other body is small JSON.
     app.add_middleware(
@@ -84,7 +65,7 @@ def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAP
     # Before sandboxes: its `/sandboxes/{id}` would take `/sandboxes/metrics`.
     app.include_router(observability.router)
     app.include_router(sandboxes.router)
-    builds.attach(app)  # template builds; before snapshots (its /templates/{id:path})
+    builds.attach(app, builder)  # template builds; before snapshots (its /templates/{id:path})
     app.include_router(tags.router)  # likewise
     app.include_router(images.router)
     app.include_router(snapshots.router)
@@ -95,9 +76,18 @@ def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAP
     return app
 
 
-def create_app(settings: Settings, orchestrator: Orchestrator) -> ASGIApp:
+def create_app(
+    settings: Settings,
+    orchestrator: Orchestrator,
+    *,
+    keys: KeyStore,
+    builder: Builder,
+    lifespan: Lifespan | None = None,
+) -> ASGIApp:
     """The node's single ASGI app: data plane in front of the control plane."""
-    control = create_control_app(settings, orchestrator)
+    control = create_control_app(
+        settings, orchestrator, keys=keys, builder=builder, lifespan=lifespan
+    )
     router = SandboxRouter(
         control,
         orchestrator.resolve,

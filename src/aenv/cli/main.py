@@ -213,7 +213,7 @@ def gateway(ctx: typer.Context, listen: ListenOption = None) -> None:
     AENV_REDIS_URL=redis://10.0.0.2:6379 aenv gateway --listen 0.0.0.0:8080
     ```
     """
-    from ..cluster.serve import serve_gateway
+    from ..server import serve_gateway
 
     serve_gateway(_served_settings(ctx, listen))
 

@@ -13,8 +13,6 @@ import asyncio
 import json
 import logging
 import re
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -31,11 +29,13 @@ from ..errors import AenvError, BadRequest, NotFound, SandboxNotFound
 from ..proxy._common import ROUTING_HEADERS, Scope
 from ..proxy.dispatch import Route as SandboxRoute
 from ..proxy.dispatch import SandboxRouter
+from ..serving import Lifespan
 from .aggregate import merge_pages, node_view
-from .directory import Directory
+from .directory import Directory, Discover
 from .forward import NodeClient, NodeError
+from .k8s import KubernetesDiscovery
 from .records import NodeRecord
-from .scheduler import Placement, Scheduler, load_scheduler
+from .scheduler import Placement, Scheduler
 from .state import ClusterState
 
 log = logging.getLogger("aenv.cluster")
@@ -359,35 +359,22 @@ def _plain(resp: Any) -> Response:
     return Response(resp.content, status_code=resp.status_code, headers=headers)
 
 
-def create_gateway_app(settings: Settings) -> ASGIApp:
-    if not settings.redis_url:
-        raise AenvError("aenv gateway needs AENV_REDIS_URL (the cluster's Redis)")
-    state = ClusterState(settings.redis_url)
-    scheduler = load_scheduler(settings.scheduler)
-    discover = None
-    if settings.discovery == "kubernetes":
-        from .k8s import KubernetesDiscovery
+def kubernetes_discovery(settings: Settings) -> Discover:
+    """Node URLs (and names) of the ready endpoints of the nodes' headless Service."""
+    k8s = KubernetesDiscovery(settings.kubernetes_service, settings.kubernetes_namespace)
 
-        k8s = KubernetesDiscovery(settings.kubernetes_service, settings.kubernetes_namespace)
+    async def discover_urls() -> set[str]:
+        # A registration matches its endpoint by URL or by node name (= node id).
+        ready = [n for n in await k8s.nodes() if n.ready]
+        return {n.url for n in ready} | {n.node_name for n in ready if n.node_name}
 
-        async def discover_urls() -> set[str]:
-            # A registration matches its endpoint by URL or by node name (= node id).
-            ready = [n for n in await k8s.nodes() if n.ready]
-            return {n.url for n in ready} | {n.node_name for n in ready if n.node_name}
+    return discover_urls
 
-        discover = discover_urls
-    directory = Directory(settings, state, scheduler, discover)
-    nodes = NodeClient()
-    gateway = Gateway(settings, state, directory, nodes, scheduler)
 
-    @asynccontextmanager
-    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        try:
-            yield
-        finally:
-            await nodes.aclose()
-            await state.close()
-
+def create_gateway_app(
+    settings: Settings, gateway: Gateway, directory: Directory, lifespan: Lifespan
+) -> ASGIApp:
+    """The gateway's one port over its parts (`aenv.server` builds them)."""
     control = Starlette(
         routes=[
             # The web console (static; its API calls come back here with the user's key).

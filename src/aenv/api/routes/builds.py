@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -36,23 +34,9 @@ upload_router = APIRouter(
 )
 
 
-def attach(app: FastAPI) -> None:
-    """Puts a `Builder` on `app.state` and runs its start/close inside the app's lifespan
-    (after the orchestrator started, before it closes)."""
-    builder = Builder(app.state.settings, app.state.orchestrator)
+def attach(app: FastAPI, builder: Builder) -> None:
+    """The build routes over `builder` (started and closed by the node's lifespan)."""
     app.state.builder = builder
-    inner = app.router.lifespan_context
-
-    @asynccontextmanager
-    async def lifespan(a: Any) -> AsyncIterator[Any]:
-        async with inner(a) as state:
-            await builder.start()
-            try:
-                yield state
-            finally:
-                await builder.close()
-
-    app.router.lifespan_context = lifespan
     app.include_router(router)
     app.include_router(upload_router)
 
