@@ -236,3 +236,31 @@ def test_the_check_sees_imports_in_functions_and_type_checking_blocks(tmp_path: 
     assert breaks(graph) == [
         "aenv.config:3 imports aenv.api.routes: config may not import api (a layer above)"
     ]
+
+
+# Where an import may wait for the function that needs it, and why: start-up time. Anywhere
+# else an import in a function only hides a dependency (the contracts above count it anyway).
+DEFERRED_OK = {
+    "envd": "PID 1 of every sandbox: a cold start imports only what serving needs",
+    "cli": "a command imports only what it runs, so `aenv --help` stays fast",
+    "codeinterp": "jupyter's client, when the first context starts",
+}
+
+
+def deferred(src: Path = SRC) -> list[str]:
+    """Imports inside functions, as `module:line`."""
+    out = []
+    for module, path in modules(src).items():
+        for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                out += [
+                    f"{module}:{node.lineno}"
+                    for node in ast.walk(fn)
+                    if isinstance(node, ast.Import | ast.ImportFrom)
+                ]
+    return sorted(set(out))
+
+
+def test_imports_wait_in_functions_only_where_start_up_time_is_the_reason() -> None:
+    found = [d for d in deferred() if entry(d.partition(":")[0]) not in DEFERRED_OK]
+    assert found == [], "imports inside functions (move them to the top):\n" + "\n".join(found)
