@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .basics import BootInfo, VolumeMount
@@ -49,24 +49,17 @@ class BuildInfo:
         return self.from_template or self.from_image
 
 
-# BuildInfo's fields and the keys of the template document that hold them (the document
-# kept these flat since before they were typed; older documents load alike).
-_BUILD_KEYS = {
-    "build_id": "build_id",
-    "name": "name",
+# The keys of the template document that hold BuildInfo's fields (the document kept these
+# flat since before they were typed; older documents load alike): each field's own name,
+# except these.
+_RENAMED = {
     "status": "build_status",
-    "start_cmd": "start_cmd",
-    "ready_cmd": "ready_cmd",
-    "metadata": "metadata",
     "from_template": "fromTemplate",
     "from_image": "fromImage",
-    "image": "image",
     "image_digest": "digest",
-    "source": "source",
-    "recipe_hash": "recipe_hash",
-    "size": "size",
     "rootfs_stamp": "aenv-rootfs",
 }
+_BUILD_KEYS = {f.name: _RENAMED.get(f.name, f.name) for f in fields(BuildInfo)}
 # The document keys of a fork's marker, a pin's template and a hibernated sandbox's record.
 FORK_OF_KEY, PINNED_OF_KEY, SANDBOX_RECORD_KEY = "fork_of", "pinned_of", "sandbox_record"
 
