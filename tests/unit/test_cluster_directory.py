@@ -70,6 +70,12 @@ async def directory(srv: RedisServer, home: Path) -> AsyncIterator[tuple[Cluster
         await state.close()
 
 
+async def a_drains_b_is_ready(state: ClusterState) -> None:
+    """Node a draining with the paused sandbox s1, node b ready and empty."""
+    await state.heartbeat(node("a", status="draining"), {"s1": RosterEntry(state="paused")}, None)
+    await state.heartbeat(node("b"), {}, None)
+
+
 async def test_a_sandbox_on_a_healthy_node_is_routed_there(
     redis: RedisServer, tmp_path: Path
 ) -> None:
@@ -125,10 +131,7 @@ async def test_a_resume_on_a_draining_node_moves_what_the_node_releases(
     redis: RedisServer, tmp_path: Path
 ) -> None:
     async with directory(redis, tmp_path) as (state, d):
-        await state.heartbeat(
-            node("a", status="draining"), {"s1": RosterEntry(state="paused")}, None
-        )
-        await state.heartbeat(node("b"), {}, None)
+        await a_drains_b_is_ready(state)
         moves = Moves()
         # A request that does not resume it stays where it is.
         assert (await d.usable("s1", moves.release, moves.adopt, resume=False)).node_id == "a"
@@ -144,10 +147,7 @@ async def test_a_draining_node_that_cannot_release_keeps_the_sandbox(
     redis: RedisServer, tmp_path: Path
 ) -> None:
     async with directory(redis, tmp_path) as (state, d):
-        await state.heartbeat(
-            node("a", status="draining"), {"s1": RosterEntry(state="paused")}, None
-        )
-        await state.heartbeat(node("b"), {}, None)
+        await a_drains_b_is_ready(state)
         moves = Moves()
         moves.release_answer = None  # e.g. frozen in memory: it resumes where it is
         assert (await d.usable("s1", moves.release, moves.adopt, resume=True)).node_id == "a"
@@ -158,10 +158,7 @@ async def test_a_failed_adopt_gives_the_sandbox_back_to_its_draining_node(
     redis: RedisServer, tmp_path: Path
 ) -> None:
     async with directory(redis, tmp_path) as (state, d):
-        await state.heartbeat(
-            node("a", status="draining"), {"s1": RosterEntry(state="paused")}, None
-        )
-        await state.heartbeat(node("b"), {}, None)
+        await a_drains_b_is_ready(state)
         moves = Moves()
         moves.refuse_adopt_on = {"b"}
         with pytest.raises(Unavailable, match="refuses"):
