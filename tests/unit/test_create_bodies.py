@@ -67,7 +67,7 @@ SOURCES: list[tuple[type[SandboxOptions], dict[str, Any], str]] = [
 
 def request_of(body: SandboxOptions) -> CreateRequest:
     if isinstance(body, NewSandboxV2):
-        return body.request("team-key")
+        return body.to_request("team-key", body.template_id)
     return body.to_request("team-key")
 
 

@@ -163,9 +163,6 @@ class NewSandboxV2(SandboxOptions):
 
     template_id: str = Field(alias="templateID", min_length=1, max_length=255)
 
-    def request(self, owner: str | None) -> CreateRequest:
-        return self.to_request(owner, self.template_id)
-
 
 class NewSandbox(NewSandboxV2):
     """Body of v1 `POST /sandboxes`: v2 plus `secure`, accepted for AgentENV's clients but

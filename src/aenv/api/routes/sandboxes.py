@@ -90,7 +90,7 @@ async def _create(
 ) -> Sandbox:
     check_timeout(body.timeout, settings)
     key = validate_key(key)
-    req = body.request(owner)
+    req = body.to_request(owner, body.template_id)
 
     async def create() -> tuple[Sandbox, str]:
         timings = Timings()
