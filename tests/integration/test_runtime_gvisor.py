@@ -1182,11 +1182,11 @@ async def test_parallel_restores(
 
 def crash(rt: GVisorRuntime) -> None:
     """Drops a runtime like a killed process would: no cleanup, pool slots left behind."""
-    for task in (rt.pool._task, rt.reaper._task):
+    for task in (rt.pool._task, rt.reaper.sweep._task):
         if task is not None:
             task.cancel()
     rt.pool._task = None
-    rt.reaper._task = None
+    rt.reaper.sweep._task = None
 
 
 async def test_reconcile_after_crash(

@@ -3,11 +3,10 @@ the timers (sandbox timeouts, hibernation of idle frozen sandboxes) and shutdown
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass, field
 
+from ..background import Periodic
 from ..domain import SandboxRecord, SandboxState
 from ..errors import AenvError
 from ..logctx import sandbox_context
@@ -41,14 +40,17 @@ class Node:
     envd: EnvdClient
     liveness: Liveness
     recovery: Recovery
-    _timer: asyncio.Task[None] | None = field(default=None, init=False)
+    _timer: Periodic = field(init=False)
     _ticks: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self._timer = Periodic("timers", TICK_SECONDS, self.tick, log)
 
     async def start(self, *, timers: bool = True) -> None:
         await self.recover()
         await self.templates.start()
         if timers:
-            self._timer = asyncio.create_task(self._timer_loop(), name="aenv-timers")
+            self._timer.start()
         self.pool.refill()
 
     async def recover(self) -> None:
@@ -58,23 +60,12 @@ class Node:
     async def close(self) -> None:
         self.ctx.closing = True
         await self.pool.close()
-        if self._timer:
-            self._timer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._timer
+        await self._timer.stop()
         await self.pauser.hibernate_all()
         await self.ctx.join()
         await self.templates.close()
         await self.runtime.close()
         await self.envd.close()
-
-    async def _timer_loop(self) -> None:
-        while True:
-            await asyncio.sleep(TICK_SECONDS)
-            try:
-                await self.tick()
-            except Exception:
-                log.exception("timer loop")
 
     async def tick(self) -> None:
         """One round of the timers at the context's clock."""

@@ -5,9 +5,9 @@ asks for the logs, so an idle sandbox gets no request from the node."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
+
+from aenv.background import Periodic
 
 from .idle import IdleTracker
 from .logs import SandboxLogs
@@ -22,7 +22,7 @@ class Sampler:
         self, table: SandboxTable, metrics: SandboxMetrics, idle: IdleTracker, logs: SandboxLogs
     ) -> None:
         self.table, self.metrics, self.idle, self.logs = table, metrics, idle, logs
-        self._task: asyncio.Task[None] | None = None
+        self.timer = Periodic("metrics sampler", SAMPLE_SECONDS, self.round, log)
 
     async def round(self) -> None:
         taken = await self.metrics.sample_all()
@@ -32,19 +32,7 @@ class Sampler:
             await self.idle.observe(r, s.cpu_used_pct / 100 * s.cpu_count)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="aenv-sampler")
+        self.timer.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(SAMPLE_SECONDS)
-            try:
-                await self.round()
-            except Exception:
-                log.exception("metrics sampler")
+        await self.timer.stop()
