@@ -19,7 +19,7 @@ import uuid
 from typing import Any
 
 from ..config import Settings
-from ..domain import TemplateKind, new_id
+from ..domain import DEFAULT_TEMPLATE, TemplateKind, new_id
 from ..errors import AenvError, BadRequest, Conflict, NotFound
 from ..orchestrator import Orchestrator
 from .files import BuildFiles
@@ -96,11 +96,9 @@ class Builder:
             tid = owner_of(found)
             if found.internal:
                 return None
-            if tid == "base" or found.kind is TemplateKind.SNAPSHOT:
-                raise Conflict(
-                    f"{name!r} is the name of a {'snapshot' if tid != 'base' else 'default template'}"
-                    "; pick another template name"
-                )
+            if tid == DEFAULT_TEMPLATE or found.kind is TemplateKind.SNAPSHOT:
+                what = "the default template" if tid == DEFAULT_TEMPLATE else "a snapshot"
+                raise Conflict(f"{name!r} is the name of {what}; pick another template name")
             return tid
         for b in await asyncio.to_thread(self.store.all):
             if name in b.names:

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ..domain import DEFAULT_TEMPLATE
 from .client import ControlPlane
 from .connect import ConnectError
 from .errors import CliError
@@ -147,7 +148,7 @@ def start(
         raise CliError("give a TEMPLATE or --cold IMAGE, not both")
     if cold and volume:
         raise CliError("--volume is not available with --cold")
-    label = cold or template or "base"
+    label = cold or template or DEFAULT_TEMPLATE
     body: dict[str, Any] = {
         "timeout": timeout,
         "metadata": pairs(metadata, "--metadata"),
@@ -156,7 +157,7 @@ def start(
     if cold:
         body["image"] = cold
     else:
-        body["templateID"] = template or "base"
+        body["templateID"] = template or DEFAULT_TEMPLATE
     if cpu is not None:
         body["cpuCount"] = cpu
     if memory is not None:
