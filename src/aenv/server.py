@@ -34,6 +34,7 @@ from .orchestrator.catalog import Catalog
 from .orchestrator.durable import Durable
 from .orchestrator.storage import SandboxStorage
 from .proxy.ws import SERVER_OPTIONS as WS_SERVER_OPTIONS
+from .redact import url_without_password
 from .runtime import priority
 from .runtime.base import Runtime
 from .runtime.bundle_build import ensure_bundle
@@ -154,6 +155,7 @@ def serve_gateway(settings: Settings) -> None:
     _serving(settings)
     app = gateway_app(settings)
     print(
-        f"aenv: gateway serving on {settings.url} (cluster {settings.redis_url})", file=sys.stderr
+        f"aenv: gateway serving on {settings.url} (cluster {url_without_password(settings.redis_url or '')})",
+        file=sys.stderr,
     )
     QuietServer(uvicorn_config(app, settings, WS_SERVER_OPTIONS)).run()

@@ -35,6 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # Shared by everything above: settings, records, errors and small helpers.
     (
         "serving",
+        "redact",
         "config",
         "envd_wire",
         "domain",

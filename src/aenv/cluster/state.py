@@ -23,6 +23,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ..redact import url_without_password
 from .records import NodeRecord, RosterEntry
 
 # Deletes a binding only while it still names this node (another node may have taken the
@@ -44,7 +45,8 @@ def _text(v: bytes | str | None) -> str | None:
 
 class ClusterState:
     def __init__(self, url: str, namespace: str = "aenv") -> None:
-        self.url = url
+        # Where it is, for logs: never the password (the connection keeps the URL itself).
+        self.url = url_without_password(url)
         self.ns = namespace
         # A restarted Redis leaves every pooled connection dead: retried on a new one.
         self.redis = aioredis.from_url(
