@@ -1,6 +1,7 @@
 """The orchestrator: the one door into the node's core for `api/`, `proxy/` and `builds/`.
 
-It composes the parts, each with one job, and only delegates:
+It composes the parts, each with one job, and only delegates (each part keeps the rules of
+its work: waking an idle sandbox first, admission, operation counters, log lines):
     Node            start-up/recovery, timers, shutdown          (node.py)
     SandboxTable    records, per-sandbox locks, memory budget     (table.py)
     Booter          specs, boot slots, boot/restore, seal, squash (boot.py)
@@ -118,7 +119,7 @@ class Orchestrator:
             catalog, storage, durable, runtime.image_complete
         )
         self._volumes = volumes = VolumeStore(settings.volumes_dir)
-        self._logs = logs = SandboxLogs(table, envd)
+        self._logs = logs = SandboxLogs(ctx, table, envd)
         self._stats = stats = NodeStats(
             table,
             settings.home,
@@ -127,16 +128,19 @@ class Orchestrator:
         )
         stats.node_id = settings.cluster_node_id
         booter = Booter(ctx, table, runtime, storage, envd, bundle, volumes)
-        self._snapshotter = snapshotter = Snapshotter(ctx, table, booter, runtime, templates)
+        self._snapshotter = snapshotter = Snapshotter(
+            ctx, table, booter, runtime, templates, stats, logs
+        )
         self._boot_snapshots = boot = BootSnapshots(ctx, table, booter, snapshotter, templates)
-        self._pauser = pauser = Pauser(ctx, table, booter, runtime, templates)
+        self._pauser = pauser = Pauser(ctx, table, booter, runtime, templates, stats, logs)
+        # Made after the Pauser it uses: the parts made before it reach it through `ctx`.
         self._idle = idle = IdleTracker(ctx, table, runtime, pauser)
         table.room_maker = idle.make_room
         pool = WarmPool(ctx, table, booter, templates, boot, idle)
         self._sandboxes = sandboxes = Sandboxes(
             ctx, table, booter, templates, pool, boot, runtime, storage, volumes, logs, stats
         )
-        self._forker = Forker(ctx, table, snapshotter, sandboxes, templates)
+        self._forker = Forker(ctx, table, snapshotter, sandboxes, templates, stats, logs)
         self._liveness = liveness = Liveness(table, runtime, booter)
         recovery = Recovery(ctx, table, runtime, booter, storage, templates)
         self._node = Node(
@@ -196,20 +200,15 @@ class Orchestrator:
         return await self._sandboxes.create(req, timings)
 
     async def kill(self, sandbox_id: str) -> None:
-        # Out of standby (frozen tasks die only thawed); one on disk is killed there.
-        await self._idle.wake(sandbox_id, restore=False)
-        with self._stats.observe("kill", sandbox_id):
-            await self._sandboxes.kill(sandbox_id)
+        await self._sandboxes.kill(sandbox_id)
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
-        self._idle.touch(sandbox_id)
         return await self._sandboxes.set_timeout(sandbox_id, timeout)
 
     async def update_network(self, sandbox_id: str, policy: EgressPolicy) -> SandboxRecord:
         return await self._sandboxes.update_network(sandbox_id, policy)
 
     async def refresh(self, sandbox_id: str, duration: int | None) -> SandboxRecord:
-        self._idle.touch(sandbox_id)
         return await self._sandboxes.refresh(sandbox_id, duration)
 
     async def export_layers(self, sandbox_id: str) -> builtins.list[str]:
@@ -234,20 +233,12 @@ class Orchestrator:
         *,
         require_healthy_guest: bool = False,
     ) -> None:
-        # envd's journal is not read first (a request into the sandbox would cost pause
-        # more than the freeze): a frozen or hibernated envd keeps it for the next read
-        # after resume; a paused sandbox's logs are those read before it paused.
-        # A napping sentry would stop slower; one in standby on disk is paused there.
-        await self._idle.wake(sandbox_id, restore=False)
-        with self._stats.observe("pause", sandbox_id):
-            await self._pauser.pause(
-                sandbox_id, memory, timings, require_healthy_guest=require_healthy_guest
-            )
-        self._logs.note(sandbox_id, "sandbox paused", memory=str(memory).lower())
+        await self._pauser.pause(
+            sandbox_id, memory, timings, require_healthy_guest=require_healthy_guest
+        )
 
     async def hibernate(self, sandbox_id: str, timings: Timings | None = None) -> None:
-        with self._stats.observe("hibernate", sandbox_id):
-            await self._pauser.hibernate(sandbox_id, timings)
+        await self._pauser.hibernate(sandbox_id, timings)
 
     async def connect(
         self,
@@ -256,19 +247,12 @@ class Orchestrator:
         memory: bool | None = None,
         timings: Timings | None = None,
     ) -> tuple[SandboxRecord, bool]:
-        await self._idle.wake(sandbox_id)
-        with self._stats.observe("connect", sandbox_id):
-            r, resumed = await self._pauser.connect(sandbox_id, timeout, memory, timings)
-        if resumed:
-            self._logs.note(sandbox_id, "sandbox resumed")
-        return r, resumed
+        return await self._pauser.connect(sandbox_id, timeout, memory, timings)
 
     async def resolve(
         self, sandbox_id: str, port: int, traffic_token: str | None = None
     ) -> Upstream:
-        upstream = await self._pauser.resolve(sandbox_id, port, traffic_token)
-        await self._idle.wake(sandbox_id)
-        return upstream
+        return await self._pauser.resolve(sandbox_id, port, traffic_token)
 
     async def expose(self, sandbox_id: str, port: int) -> bool:
         """The proxy found `port` refused: asks the sandbox's envd to forward it if a process
@@ -319,21 +303,16 @@ class Orchestrator:
         internal: bool = False,
         memory: bool = True,
     ) -> TemplateRecord:
-        await self._idle.wake(sandbox_id)  # a napping sentry would checkpoint slower
-        with self._stats.observe("snapshot", sandbox_id):
-            rec = await self._snapshotter.snapshot(
-                sandbox_id,
-                name,
-                timings,
-                template_id=template_id,
-                parent=parent,
-                build=build,
-                internal=internal,
-                memory=memory,
-            )
-        if not internal:
-            self._logs.note(sandbox_id, "snapshot taken", snapshotID=rec.template_id)
-        return rec
+        return await self._snapshotter.snapshot(
+            sandbox_id,
+            name,
+            timings,
+            template_id=template_id,
+            parent=parent,
+            build=build,
+            internal=internal,
+            memory=memory,
+        )
 
     async def snapshots(
         self, sandbox_id: str | None = None, name: str | None = None
@@ -351,11 +330,7 @@ class Orchestrator:
         timeout: int | None = None,
         timings: Timings | None = None,
     ) -> builtins.list[ForkResult]:
-        await self._idle.wake(sandbox_id)
-        with self._stats.observe("fork", sandbox_id):
-            children = await self._forker.fork(sandbox_id, count, timeout, timings)
-        self._logs.note(sandbox_id, "sandbox forked", count=count)
-        return children
+        return await self._forker.fork(sandbox_id, count, timeout, timings)
 
     # ------------------------------------------------------------------ observability
     def metrics(
@@ -370,10 +345,7 @@ class Orchestrator:
 
     async def logs(self, sandbox_id: str) -> builtins.list[LogEntry]:
         """The sandbox's log entries (envd's journal read first), oldest first."""
-        r = self._table.get(sandbox_id)
-        await self._idle.wake(sandbox_id)  # envd answers only awake
-        await self._logs.pull(r)
-        return self._logs.entries(r)
+        return await self._logs.read(sandbox_id)
 
     async def node_info(self, *, with_sandboxes: bool = False) -> NodeInfo:
         return await asyncio.to_thread(self._stats.info, with_sandboxes=with_sandboxes)
