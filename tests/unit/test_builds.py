@@ -358,24 +358,32 @@ def test_copy_helper_keeps_symlinks_and_refuses_escapes(tmp_path: Path) -> None:
 # routes (no sandboxes: a build is only requested, its record and logs written directly)
 
 
+class _Table:
+    quotas: Any = None
+
+    def list(self, **_: Any) -> list[Any]:
+        return []
+
+
+class _Templates:
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+
+    async def find(self, id_or_name: str) -> TemplateRecord | None:
+        return await asyncio.to_thread(self.catalog.template, id_or_name)
+
+    async def all(self) -> builtins.list[TemplateRecord]:
+        return await asyncio.to_thread(self.catalog.templates)
+
+
 class _Orch:
     """Enough of an orchestrator for the build routes that do not boot anything: its
     template calls over a real catalog."""
 
     def __init__(self, tmp: Path) -> None:
         self.catalog = Catalog(tmp / "catalog.db")
-
-    def list(self, **_: Any) -> list[Any]:
-        return []
-
-    def use_quotas(self, quotas: Any) -> None:
-        pass
-
-    async def find_template(self, id_or_name: str) -> TemplateRecord | None:
-        return await asyncio.to_thread(self.catalog.template, id_or_name)
-
-    async def templates(self) -> builtins.list[TemplateRecord]:
-        return await asyncio.to_thread(self.catalog.templates)
+        self.table = _Table()
+        self.templates = _Templates(self.catalog)
 
     async def delete_template(self, template_id: str) -> None:
         if not await asyncio.to_thread(self.catalog.delete_template, template_id):

@@ -74,7 +74,7 @@ def create_control_app(settings: Settings, orchestrator: Orchestrator) -> FastAP
     app.state.orchestrator = orchestrator
     app.state.idempotency = IdempotencyCache()
     app.state.api_keys = keys = KeyStore.of(settings)
-    orchestrator.use_quotas(keys.quota_of)
+    orchestrator.table.quotas = keys.quota_of
     install_error_handlers(app)
     # Build contexts and volume files stream to disk; every other body is small JSON.
     app.add_middleware(
@@ -100,10 +100,10 @@ def create_app(settings: Settings, orchestrator: Orchestrator) -> ASGIApp:
     control = create_control_app(settings, orchestrator)
     router = SandboxRouter(
         control,
-        orchestrator.resolve,
+        orchestrator.pauser.resolve,
         settings.routing_domains,
         signed_by=orchestrator.signed_by,
         expose=orchestrator.expose,
     )
-    orchestrator.on_sandbox_stopped(router.drop)
+    orchestrator.context.on_stopped(router.drop)
     return router
