@@ -153,6 +153,10 @@ async def test_a_draining_node_refuses_a_fork_like_a_create(node: Harness) -> No
     with pytest.raises(Unavailable, match="draining"):
         await node.orch.forker.fork(parent.sandbox_id, 2)
     assert [r.sandbox_id for r in node.orch.table.list()] == [parent.sandbox_id]
+    # Counted alike too, as a refusal of the node (503), by the parts that refused them.
+    exposition = (await node.orch.stats.exposition()).decode()
+    for op in ("create", "fork"):
+        assert f'aenv_operation_errors_total{{code="503",op="{op}"}} 1.0' in exposition
     node.orch.mover.undrain()
     children = await node.orch.forker.fork(parent.sandbox_id, 2)
     assert all(c.error is None for c in children)
