@@ -101,7 +101,7 @@ class Harness:
     async def restart(self, **overrides: Any) -> Harness:
         """A new node process over the same home and host (containers that were left
         running are still there, as after `kill -9` of the server)."""
-        await self.orch.settle()
+        await self.orch.context.join()
         self.catalog.close()
         return build(self.home, host=self.host, clock=self.clock, **overrides)
 

@@ -1,5 +1,5 @@
 """The sandbox a log line is about, on every line: a context variable set around work for
-one sandbox (facade operations, boots, the timers' per-sandbox steps, proxied requests),
+one sandbox (lifecycle operations, boots, the timers' per-sandbox steps, proxied requests),
 read by a logging filter, and two formats (`text`: `... sandbox_id=ID`, `json`: one object
 a line) chosen by `AENV_LOG_FORMAT`.
 

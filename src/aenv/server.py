@@ -96,7 +96,7 @@ def node_app(settings: Settings, orchestrator: Orchestrator | None = None) -> AS
     give one over the fake runtime)."""
     orch = orchestrator if orchestrator is not None else build_orchestrator(settings)
     keys = KeyStore.of(settings)
-    orch.use_quotas(keys.quota_of)
+    orch.table.quotas = keys.quota_of  # what each API key's sandboxes may hold
     builder = Builder(settings, orch)
     parts: list[Part] = [_KeyBootstrap(settings, keys), orch, builder]
     if settings.redis_url:

@@ -24,7 +24,7 @@ API_KEY = "admission-test-key-0123456789"
 
 async def queued(h: Harness, n: int = 1) -> None:
     """Until `n` boots wait for the one slot (the first holds it)."""
-    booter = h.orch._sandboxes.booter
+    booter = h.orch.sandboxes.booter
     for _ in range(500):
         if booter.waiting >= n:
             return
@@ -41,21 +41,21 @@ async def node(tmp_path: Path) -> AsyncIterator[Harness]:
 
 
 async def test_creates_past_the_boot_queue_are_refused_at_once(node: Harness) -> None:
-    first = asyncio.create_task(node.orch.create(CreateRequest()))
-    second = asyncio.create_task(node.orch.create(CreateRequest()))
+    first = asyncio.create_task(node.orch.sandboxes.create(CreateRequest()))
+    second = asyncio.create_task(node.orch.sandboxes.create(CreateRequest()))
     await queued(node)  # the first holds the slot, the second waits
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     with pytest.raises(Unavailable) as refused:
-        await node.orch.create(CreateRequest())
+        await node.orch.sandboxes.create(CreateRequest())
     assert loop.time() - t0 < 0.1  # at once, not after the others
     assert refused.value.retry_after is not None and refused.value.retry_after >= 1
     assert refused.value.headers()["Retry-After"].isdigit()
     made = await asyncio.gather(first, second)
     assert [r.state for r in made] == [SandboxState.RUNNING] * 2
-    assert len(node.orch.list()) == 2  # the refused one left nothing behind
+    assert len(node.orch.table.list()) == 2  # the refused one left nothing behind
     # The queue drained: a create goes through again.
-    assert (await node.orch.create(CreateRequest())).state is SandboxState.RUNNING
+    assert (await node.orch.sandboxes.create(CreateRequest())).state is SandboxState.RUNNING
 
 
 async def test_the_api_answers_503_with_retry_after(node: Harness) -> None:
@@ -79,15 +79,15 @@ async def test_the_api_answers_503_with_retry_after(node: Harness) -> None:
 async def test_a_fork_is_admitted_whole_or_refused_before_the_parent_is_touched(
     node: Harness,
 ) -> None:
-    parent = await node.orch.create(CreateRequest())
-    blockers = [asyncio.create_task(node.orch.create(CreateRequest())) for _ in range(2)]
+    parent = await node.orch.sandboxes.create(CreateRequest())
+    blockers = [asyncio.create_task(node.orch.sandboxes.create(CreateRequest())) for _ in range(2)]
     await queued(node)
     before = len(node.runtime.calls)
     with pytest.raises(Unavailable):
-        await node.orch.fork(parent.sandbox_id, 3)
+        await node.orch.forker.fork(parent.sandbox_id, 3)
     assert len(node.runtime.calls) == before  # no checkpoint, no child
     await asyncio.gather(*blockers)
-    children = await node.orch.fork(parent.sandbox_id, 3)  # 3 children > queue of 1: whole
+    children = await node.orch.forker.fork(parent.sandbox_id, 3)  # 3 children > queue of 1: whole
     assert all(c.error is None for c in children)
 
 
@@ -113,16 +113,16 @@ async def test_a_key_past_its_quota_gets_429_and_others_go_on(node: Harness) -> 
         assert (await create(other)).status_code == 201  # another key is not held back
         # Paused files-only, a sandbox holds no memory: it no longer counts.
         sid = made[0].json()["sandboxID"]
-        await node.orch.pause(sid, memory=False)
+        await node.orch.pauser.pause(sid, memory=False)
         assert (await create(small)).status_code == 201
         # A fork counts its children; the memory limit counts memoryMB.
         parent = made[1].json()["sandboxID"]
         with pytest.raises(TooManyRequests):
-            await node.orch.fork(parent, 1)
+            await node.orch.forker.fork(parent, 1)
         store.set_quota("small", Quota(max_memory_mb=1024 + 256))  # no restart needed
         r = await create(small, memoryMB=512)
         assert r.status_code == 429 and "MiB" in r.json()["message"]
-        assert len([x for x in node.orch.list() if x.owner == "small"]) == 3
+        assert len([x for x in node.orch.table.list() if x.owner == "small"]) == 3
 
 
 async def test_by_default_the_queue_holds_what_waits_up_to_max_queue_wait(
@@ -133,26 +133,32 @@ async def test_by_default_the_queue_holds_what_waits_up_to_max_queue_wait(
     monkeypatch.setattr(boot, "MAX_QUEUE_WAIT", 1.5)
     async for h in started(tmp_path, boot_concurrency=1):
         h.runtime.delay = 0.2
-        first = asyncio.create_task(h.orch.create(CreateRequest()))
-        second = asyncio.create_task(h.orch.create(CreateRequest()))  # ~1 s to wait: queued
+        first = asyncio.create_task(h.orch.sandboxes.create(CreateRequest()))
+        second = asyncio.create_task(
+            h.orch.sandboxes.create(CreateRequest())
+        )  # ~1 s to wait: queued
         await queued(h)
         with pytest.raises(Unavailable) as refused:
-            await h.orch.create(CreateRequest())  # ~2 s to wait: refused
+            await h.orch.sandboxes.create(CreateRequest())  # ~2 s to wait: refused
         assert refused.value.retry_after is not None and refused.value.retry_after >= 2
         assert [r.state for r in await asyncio.gather(first, second)] == [SandboxState.RUNNING] * 2
 
 
 async def test_a_draining_node_refuses_a_fork_like_a_create(node: Harness) -> None:
-    parent = await node.orch.create(CreateRequest())
+    parent = await node.orch.sandboxes.create(CreateRequest())
     # What a drain sets first (the move itself needs a repository: the cluster's tests).
-    node.orch._ctx.draining = True
+    node.orch.context.draining = True
     with pytest.raises(Unavailable, match="draining"):
-        await node.orch.create(CreateRequest())
+        await node.orch.sandboxes.create(CreateRequest())
     with pytest.raises(Unavailable, match="draining"):
-        await node.orch.fork(parent.sandbox_id, 2)
-    assert [r.sandbox_id for r in node.orch.list()] == [parent.sandbox_id]
-    node.orch.undrain()
-    children = await node.orch.fork(parent.sandbox_id, 2)
+        await node.orch.forker.fork(parent.sandbox_id, 2)
+    assert [r.sandbox_id for r in node.orch.table.list()] == [parent.sandbox_id]
+    # Counted alike too, as a refusal of the node (503), by the parts that refused them.
+    exposition = (await node.orch.stats.exposition()).decode()
+    for op in ("create", "fork"):
+        assert f'aenv_operation_errors_total{{code="503",op="{op}"}} 1.0' in exposition
+    node.orch.mover.undrain()
+    children = await node.orch.forker.fork(parent.sandbox_id, 2)
     assert all(c.error is None for c in children)
 
 
@@ -164,11 +170,11 @@ def _creates_counted(prometheus: bytes) -> float:
 
 
 async def test_a_forks_children_are_counted_and_logged_as_created(node: Harness) -> None:
-    parent = await node.orch.create(CreateRequest())
-    before = _creates_counted(await node.orch.prometheus())
-    children = await node.orch.fork(parent.sandbox_id, 2)
-    assert _creates_counted(await node.orch.prometheus()) == before + 2
+    parent = await node.orch.sandboxes.create(CreateRequest())
+    before = _creates_counted(await node.orch.stats.exposition())
+    children = await node.orch.forker.fork(parent.sandbox_id, 2)
+    assert _creates_counted(await node.orch.stats.exposition()) == before + 2
     for child in children:
         assert child.sandbox is not None
-        messages = [e.message for e in await node.orch.logs(child.sandbox.sandbox_id)]
+        messages = [e.message for e in await node.orch.logs.read(child.sandbox.sandbox_id)]
         assert "sandbox created" in messages

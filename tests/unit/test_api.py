@@ -26,7 +26,8 @@ BASE = datetime(2025, 1, 1, tzinfo=UTC)
 
 
 class FakeOrchestrator:
-    """In-memory stand-in with the Orchestrator's public surface and error semantics."""
+    """In-memory stand-in with the surface of the Orchestrator's parts that the API calls,
+    and their error semantics."""
 
     def __init__(self) -> None:
         self.records: dict[str, SandboxRecord] = {}
@@ -37,6 +38,23 @@ class FakeOrchestrator:
         # Stages (ms) the fake reports into the `Timings` a lifecycle call is given.
         self.timings: dict[str, float] | None = None
         self._n = 0
+
+    # The parts the API calls, all of them this one fake.
+    @property
+    def table(self) -> FakeOrchestrator:
+        return self
+
+    @property
+    def sandboxes(self) -> FakeOrchestrator:
+        return self
+
+    @property
+    def pauser(self) -> FakeOrchestrator:
+        return self
+
+    @property
+    def context(self) -> FakeOrchestrator:
+        return self
 
     async def start(self) -> None:
         self.started = True
@@ -139,7 +157,7 @@ class FakeOrchestrator:
     async def connect(
         self,
         sandbox_id: str,
-        timeout: int | None,  # noqa: ASYNC109 (the Orchestrator's signature)
+        timeout: int | None,  # noqa: ASYNC109 (the Pauser's signature)
         memory: bool | None = None,
         timings: Timings | None = None,
     ) -> tuple[SandboxRecord, bool]:
@@ -177,10 +195,9 @@ class FakeOrchestrator:
     async def expose(self, sandbox_id: str, port: int) -> bool:
         return False
 
-    def use_quotas(self, quotas: Callable[[str], object]) -> None:
-        self.quotas = quotas
+    quotas: Callable[[str], object] | None = None
 
-    def on_sandbox_stopped(self, listener: Callable[[str], None]) -> None:
+    def on_stopped(self, listener: Callable[[str], None]) -> None:
         pass
 
     def signed_by(self, path: str, op: str, user: str, sig: str, exp: str | None) -> str | None:

@@ -32,7 +32,7 @@ async def _api(h: Harness) -> AsyncIterator[httpx.AsyncClient]:
 
 def _init_token(h: Harness, sandbox_id: str) -> str:
     """The token the node last gave this sandbox's envd in /init."""
-    address = h.orch.get(sandbox_id).address
+    address = h.orch.table.get(sandbox_id).address
     tokens = [kw["token"] for host, kw in h.envd.inits if host == address]
     assert tokens, f"envd of {sandbox_id} was never initialised"
     return str(tokens[-1])
@@ -82,7 +82,7 @@ async def test_pool_sandbox_and_fork_children_get_their_own_tokens(tmp_path: Pat
 
             r = await api.post(f"/sandboxes/{parent['sandboxID']}/fork", json={"count": 2})
             assert r.status_code == 201, r.text
-            kids = [h.orch.get(res["sandbox"]["sandboxID"]) for res in r.json()]
+            kids = [h.orch.table.get(res["sandbox"]["sandboxID"]) for res in r.json()]
             assert all(res["sandbox"]["envdAccessToken"] for res in r.json())
             tokens = {k.envd_access_token for k in kids}
             assert len(tokens) == 2 and "" not in tokens

@@ -25,7 +25,7 @@ async def node(tmp_path: Path) -> AsyncIterator[Harness]:
 
 
 def napping(h: Harness, r: SandboxRecord) -> bool:
-    rec = h.orch.get(r.sandbox_id)
+    rec = h.orch.table.get(r.sandbox_id)
     assert rec.instance is not None
     return rec.instance.id in h.runtime.napping
 
@@ -33,30 +33,30 @@ def napping(h: Harness, r: SandboxRecord) -> bool:
 async def idle_for(h: Harness, seconds: float) -> None:
     for _ in range(int(seconds // 5)):
         h.clock.advance(5)
-        await h.orch.sample()
+        await h.orch.sampler.round()
 
 
 async def test_an_idle_sandbox_naps_after_nap_after_and_a_request_wakes_it(node: Harness) -> None:
-    r = await node.orch.create(CreateRequest())
+    r = await node.orch.sandboxes.create(CreateRequest())
     await idle_for(node, 5)
     assert not napping(node, r)  # 5 s without a request: not yet
     await idle_for(node, 10)
     assert napping(node, r)
-    await node.orch.resolve(r.sandbox_id, ENVD_PORT)
+    await node.orch.pauser.resolve(r.sandbox_id, ENVD_PORT)
     assert not napping(node, r)
     await idle_for(node, 5)
     assert not napping(node, r)  # the request started its idle time again
 
 
 async def test_a_sandbox_that_works_never_naps(node: Harness) -> None:
-    r = await node.orch.create(CreateRequest())
+    r = await node.orch.sandboxes.create(CreateRequest())
     node.runtime.cpu_pct[r.sandbox_id] = 25.0  # half a core of its two
     await idle_for(node, 60)
     assert not napping(node, r)
 
 
 async def test_work_inside_ends_a_nap_and_keeps_the_sandbox_awake_a_while(node: Harness) -> None:
-    r = await node.orch.create(CreateRequest())
+    r = await node.orch.sandboxes.create(CreateRequest())
     await idle_for(node, 15)
     assert napping(node, r)
     node.runtime.cpu_pct[r.sandbox_id] = 2.5  # 0.05 cores: a job woke up in there
@@ -70,7 +70,7 @@ async def test_work_inside_ends_a_nap_and_keeps_the_sandbox_awake_a_while(node: 
 
 
 async def test_operations_wake_a_napping_sandbox_first(node: Harness) -> None:
-    r = await node.orch.create(CreateRequest())
+    r = await node.orch.sandboxes.create(CreateRequest())
     await idle_for(node, 15)
     assert napping(node, r)
     woke_before: list[bool] = []
@@ -79,19 +79,19 @@ async def test_operations_wake_a_napping_sandbox_first(node: Harness) -> None:
         woke_before.append(not node.runtime.napping)
 
     node.runtime.before("checkpoint", on_checkpoint)
-    await node.orch.snapshot(r.sandbox_id, "naps")
+    await node.orch.snapshotter.snapshot(r.sandbox_id, "naps")
     assert woke_before == [True]
 
 
 async def test_nap_after_zero_means_never(tmp_path: Path) -> None:
     async for h in started(tmp_path, nap_after=0):
-        r = await h.orch.create(CreateRequest())
+        r = await h.orch.sandboxes.create(CreateRequest())
         await idle_for(h, 60)
         assert not napping(h, r)
 
 
 async def test_sampling_reads_no_journal_and_logs_still_do(node: Harness) -> None:
-    r = await node.orch.create(CreateRequest())
+    r = await node.orch.sandboxes.create(CreateRequest())
     assert r.address is not None
     node.envd.log(r.address, "process started", pid="7")
     reads: list[int] = []
@@ -104,7 +104,7 @@ async def test_sampling_reads_no_journal_and_logs_still_do(node: Harness) -> Non
     node.envd.logs = counting  # type: ignore[method-assign]
     await idle_for(node, 30)
     assert reads == []
-    assert "process started" in [e.message for e in await node.orch.logs(r.sandbox_id)]
+    assert "process started" in [e.message for e in await node.orch.logs.read(r.sandbox_id)]
     assert reads == [0]
 
 
@@ -131,45 +131,45 @@ def test_naps_set_and_clear_the_timer_slack_of_every_thread_of_a_cgroup(tmp_path
 
 # ---------------------------------------------------------------------------- standby
 def frozen(h: Harness, r: SandboxRecord) -> bool:
-    rec = h.orch.get(r.sandbox_id)
+    rec = h.orch.table.get(r.sandbox_id)
     assert rec.instance is not None
     return h.runtime.state(rec.instance) is FakeState.FROZEN
 
 
 async def test_standby_freezes_a_calm_sandbox_and_any_request_thaws_it(tmp_path: Path) -> None:
     async for h in started(tmp_path, nap_after=10.0, standby_after=30.0):
-        r = await h.orch.create(CreateRequest())
+        r = await h.orch.sandboxes.create(CreateRequest())
         await idle_for(h, 25)
         assert napping(h, r) and not frozen(h, r)
         await idle_for(h, 10)
         assert frozen(h, r)
         # Still running to its user, timeout unchanged.
-        rec = h.orch.get(r.sandbox_id)
+        rec = h.orch.table.get(r.sandbox_id)
         assert rec.state is SandboxState.RUNNING and rec.end_at == r.end_at
-        assert [x.sandbox_id for x in h.orch.list(states={"running"})] == [r.sandbox_id]
-        await h.orch.resolve(r.sandbox_id, ENVD_PORT)
+        assert [x.sandbox_id for x in h.orch.table.list(states={"running"})] == [r.sandbox_id]
+        await h.orch.pauser.resolve(r.sandbox_id, ENVD_PORT)
         assert not frozen(h, r) and not napping(h, r)
         # Operations thaw it first, too: a snapshot and a kill of a sandbox in standby.
         await idle_for(h, 40)
         assert frozen(h, r)
-        await h.orch.snapshot(r.sandbox_id, "from-standby")
+        await h.orch.snapshotter.snapshot(r.sandbox_id, "from-standby")
         assert not frozen(h, r)
         await idle_for(h, 40)
         assert frozen(h, r)
-        await h.orch.kill(r.sandbox_id)
-        assert h.orch.list() == []
+        await h.orch.sandboxes.kill(r.sandbox_id)
+        assert h.orch.table.list() == []
 
 
 async def test_a_sandbox_whose_job_runs_never_goes_to_standby(tmp_path: Path) -> None:
     async for h in started(tmp_path, nap_after=10.0, standby_after=20.0):
-        r = await h.orch.create(CreateRequest())
+        r = await h.orch.sandboxes.create(CreateRequest())
         h.runtime.cpu_pct[r.sandbox_id] = 0.5  # 0.01 cores: a counter ticking in there
         await idle_for(h, 120)
         assert not frozen(h, r)
 
 
 async def test_standby_is_per_sandbox_and_off_by_default(node: Harness) -> None:
-    plain = await node.orch.create(CreateRequest())
-    opted = await node.orch.create(CreateRequest(standby_after=15))
+    plain = await node.orch.sandboxes.create(CreateRequest())
+    opted = await node.orch.sandboxes.create(CreateRequest(standby_after=15))
     await idle_for(node, 30)
     assert not frozen(node, plain) and frozen(node, opted)

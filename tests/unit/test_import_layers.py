@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     # The composition root of a node.
     ("server",),
-    # The HTTP API, and what it serves besides the facade: builds and the cluster.
+    # The HTTP API, and what it serves besides the orchestrator: builds and the cluster.
     ("api",),
     ("builds", "cluster"),
     # The orchestrator's facade and parts; the sandbox proxy and the web console beside it;
@@ -54,8 +54,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 # The bottom row may import within itself (without circles): it is one layer of helpers.
 SHARED = LAYERS[-1]
-# What these import of the orchestrator is its package: the facade and the records it
-# exports, never one of its modules. (The composition root builds the parts; builds still
+# What these import of the orchestrator is its package: the Orchestrator, its parts' types
+# and the records they take and return, never one of its modules. (The composition root builds the parts; builds still
 # read the catalog and drive envd through the orchestrator's modules.)
 FACADE_ONLY = ("cli", "api", "cluster", "proxy", "console")
 ORCHESTRATOR = f"{PACKAGE}.orchestrator"

@@ -36,49 +36,53 @@ async def node(tmp_path: Path) -> AsyncIterator[Harness]:
 async def sample_every_5s(h: Harness, n: int) -> None:
     for _ in range(n):
         h.clock.advance(5)
-        await h.orch.sample()
+        await h.orch.sampler.round()
 
 
 def address(h: Harness, sandbox_id: str) -> str:
-    a = h.orch.get(sandbox_id).address
+    a = h.orch.table.get(sandbox_id).address
     assert a is not None
     return a
 
 
 # ---------------------------------------------------------------------------- metrics
 async def test_running_sandboxes_are_sampled_and_ranges_select(node: Harness) -> None:
-    r = await node.orch.create(CreateRequest(memory_mb=512, cpu_count=2))
+    r = await node.orch.sandboxes.create(CreateRequest(memory_mb=512, cpu_count=2))
     t0 = node.clock.now
     await sample_every_5s(node, 4)  # at t0+5 .. t0+20
-    series = node.orch.metrics(r.sandbox_id)
+    series = node.orch.metrics.series(r.sandbox_id)
     assert [s.at for s in series] == [t0 + timedelta(seconds=5 * i) for i in range(1, 5)]
     assert all(s.cpu_count == 2 and s.mem_total == 512 * 2**20 for s in series)
     assert all(s.disk_total == r.disk_mb * 2**20 for s in series)
-    mid = node.orch.metrics(r.sandbox_id, t0 + timedelta(seconds=10), t0 + timedelta(seconds=15))
+    mid = node.orch.metrics.series(
+        r.sandbox_id, t0 + timedelta(seconds=10), t0 + timedelta(seconds=15)
+    )
     assert [s.at for s in mid] == [t0 + timedelta(seconds=10), t0 + timedelta(seconds=15)]
-    before = node.orch.metrics(r.sandbox_id, t0 - timedelta(hours=1), t0 - timedelta(minutes=30))
+    before = node.orch.metrics.series(
+        r.sandbox_id, t0 - timedelta(hours=1), t0 - timedelta(minutes=30)
+    )
     assert before == []
 
 
 async def test_a_paused_sandbox_keeps_its_samples_and_gets_no_new_ones(node: Harness) -> None:
-    r = await node.orch.create(CreateRequest())
+    r = await node.orch.sandboxes.create(CreateRequest())
     await sample_every_5s(node, 2)
-    await node.orch.pause(r.sandbox_id)
+    await node.orch.pauser.pause(r.sandbox_id)
     await sample_every_5s(node, 3)
-    assert len(node.orch.metrics(r.sandbox_id)) == 2
-    await node.orch.connect(r.sandbox_id, timeout=60)
+    assert len(node.orch.metrics.series(r.sandbox_id)) == 2
+    await node.orch.pauser.connect(r.sandbox_id, timeout=60)
     await sample_every_5s(node, 1)
-    assert len(node.orch.metrics(r.sandbox_id)) == 3
+    assert len(node.orch.metrics.series(r.sandbox_id)) == 3
 
 
 async def test_a_killed_sandbox_has_no_metrics(node: Harness) -> None:
-    r = await node.orch.create(CreateRequest())
+    r = await node.orch.sandboxes.create(CreateRequest())
     await sample_every_5s(node, 1)
-    await node.orch.kill(r.sandbox_id)
+    await node.orch.sandboxes.kill(r.sandbox_id)
     await sample_every_5s(node, 1)
     with pytest.raises(NotFound):
-        node.orch.metrics(r.sandbox_id)
-    assert node.orch.latest_metrics(r.sandbox_id) is None
+        node.orch.metrics.series(r.sandbox_id)
+    assert node.orch.metrics.latest(r.sandbox_id) is None
 
 
 async def test_the_ring_keeps_the_newest_samples(
@@ -86,27 +90,27 @@ async def test_the_ring_keeps_the_newest_samples(
 ) -> None:
     monkeypatch.setattr(metrics_mod, "RING_SIZE", 3)
     async for h in started(tmp_path):
-        r = await h.orch.create(CreateRequest())
+        r = await h.orch.sandboxes.create(CreateRequest())
         await sample_every_5s(h, 5)
-        series = h.orch.metrics(r.sandbox_id)
+        series = h.orch.metrics.series(r.sandbox_id)
         assert len(series) == 3
         assert series[-1].at == h.clock.now
 
 
 # ---------------------------------------------------------------------------- logs
 async def test_logs_hold_node_events_and_envd_journal_once(node: Harness) -> None:
-    r = await node.orch.create(CreateRequest())
+    r = await node.orch.sandboxes.create(CreateRequest())
     host = address(node, r.sandbox_id)
     node.envd.log(host, "process started", pid="7", cmd="/bin/bash")
     node.envd.log(host, "process ended", level="warn", pid="7", exitCode="1")
-    await node.orch.sample()
-    first = await node.orch.logs(r.sandbox_id)  # pulls again: nothing new
+    await node.orch.sampler.round()
+    first = await node.orch.logs.read(r.sandbox_id)  # pulls again: nothing new
     messages = [e.message for e in first]
     assert messages == ["sandbox created", "process started", "process ended"]
     assert first[2].level == "warn" and first[2].fields["exitCode"] == "1"
     assert first[0].fields["source"] == "node"
     node.envd.log(host, "process started", pid="8", cmd="ls")
-    second = await node.orch.logs(r.sandbox_id)
+    second = await node.orch.logs.read(r.sandbox_id)
     assert [e.message for e in second][3:] == ["process started"]
     assert second[3].fields["cmd"] == "ls"
 
@@ -114,44 +118,44 @@ async def test_logs_hold_node_events_and_envd_journal_once(node: Harness) -> Non
 async def test_logs_skip_what_envd_logged_before_the_sandbox_was_handed_out(
     node: Harness,
 ) -> None:
-    r = await node.orch.create(CreateRequest())
+    r = await node.orch.sandboxes.create(CreateRequest())
     host = address(node, r.sandbox_id)
     node.envd.log(host, "warm-up of the pool")
     node.envd.journal[host][-1]["ts"] = r.started_at.timestamp() - 60
-    assert "warm-up of the pool" not in [e.message for e in await node.orch.logs(r.sandbox_id)]
+    assert "warm-up of the pool" not in [e.message for e in await node.orch.logs.read(r.sandbox_id)]
 
 
 async def test_logs_start_over_when_envd_counts_from_zero_again(node: Harness) -> None:
-    r = await node.orch.create(CreateRequest())
+    r = await node.orch.sandboxes.create(CreateRequest())
     host = address(node, r.sandbox_id)
     for i in range(3):
         node.envd.log(host, f"before {i}")
-    await node.orch.logs(r.sandbox_id)
+    await node.orch.logs.read(r.sandbox_id)
     node.envd.journal[host], node.envd.journal_seq[host] = [], 0  # a fresh envd
     node.envd.log(host, "after restart")
-    got = [e.message for e in await node.orch.logs(r.sandbox_id)]
+    got = [e.message for e in await node.orch.logs.read(r.sandbox_id)]
     assert got[-1] == "after restart" and got.count("before 0") == 1
 
 
 async def test_lifecycle_operations_are_logged(node: Harness) -> None:
-    r = await node.orch.create(CreateRequest())
-    await node.orch.pause(r.sandbox_id)
-    await node.orch.connect(r.sandbox_id, timeout=60)
-    got = [e.message for e in await node.orch.logs(r.sandbox_id)]
+    r = await node.orch.sandboxes.create(CreateRequest())
+    await node.orch.pauser.pause(r.sandbox_id)
+    await node.orch.pauser.connect(r.sandbox_id, timeout=60)
+    got = [e.message for e in await node.orch.logs.read(r.sandbox_id)]
     assert got == ["sandbox created", "sandbox paused", "sandbox resumed"]
 
 
 # ---------------------------------------------------------------------------- node + prometheus
 async def test_node_counts_creates_allocation_and_states(node: Harness) -> None:
-    a = await node.orch.create(CreateRequest(cpu_count=2, memory_mb=512))
-    b = await node.orch.create(CreateRequest(cpu_count=1, memory_mb=256))
-    await node.orch.pause(b.sandbox_id)
+    a = await node.orch.sandboxes.create(CreateRequest(cpu_count=2, memory_mb=512))
+    b = await node.orch.sandboxes.create(CreateRequest(cpu_count=1, memory_mb=256))
+    await node.orch.pauser.pause(b.sandbox_id)
     node.envd.fail_inits = 1
     with pytest.raises(RuntimeFailure):
-        await node.orch.create(CreateRequest())
+        await node.orch.sandboxes.create(CreateRequest())
     with pytest.raises(NotFound):  # the client's mistake, not a failed create
-        await node.orch.create(CreateRequest(template_id="nope"))
-    info = await node.orch.node_info()
+        await node.orch.sandboxes.create(CreateRequest(template_id="nope"))
+    info = await node.orch.stats.info()
     assert (info.create_successes, info.create_fails) == (2, 1)
     assert info.counts["running"] == 1 and info.counts["paused"] == 1
     assert info.counts["paused_frozen"] == 1
@@ -173,11 +177,11 @@ def value(fam: Any, sample: str, **labels: str) -> float:
 
 
 async def test_prometheus_exposition(node: Harness) -> None:
-    r = await node.orch.create(CreateRequest())
-    await node.orch.pause(r.sandbox_id)
+    r = await node.orch.sandboxes.create(CreateRequest())
+    await node.orch.pauser.pause(r.sandbox_id)
     with pytest.raises(NotFound):
-        await node.orch.kill("missing")
-    fams = families((await node.orch.prometheus()).decode())
+        await node.orch.sandboxes.kill("missing")
+    fams = families((await node.orch.stats.exposition()).decode())
     ops = fams["aenv_operation_seconds"]
     assert value(ops, "aenv_operation_seconds_count", op="create") == 1
     assert value(ops, "aenv_operation_seconds_count", op="pause") == 1
@@ -201,7 +205,7 @@ async def api(node: Harness) -> AsyncIterator[httpx.AsyncClient]:
 
 
 async def test_api_metrics_routes(node: Harness, api: httpx.AsyncClient) -> None:
-    r = await node.orch.create(CreateRequest())
+    r = await node.orch.sandboxes.create(CreateRequest())
     await sample_every_5s(node, 2)
     t = int(node.clock.now.timestamp())
     resp = await api.get(f"/sandboxes/{r.sandbox_id}/metrics", params={"start": t, "end": t})
@@ -219,7 +223,7 @@ async def test_api_metrics_routes(node: Harness, api: httpx.AsyncClient) -> None
 
 
 async def test_api_logs_routes(node: Harness, api: httpx.AsyncClient) -> None:
-    r = await node.orch.create(CreateRequest())
+    r = await node.orch.sandboxes.create(CreateRequest())
     host = address(node, r.sandbox_id)
     node.envd.log(host, "process started", cmd="echo")
     node.envd.log(host, "internal error: boom", level="error")
@@ -240,7 +244,7 @@ async def test_api_logs_routes(node: Harness, api: httpx.AsyncClient) -> None:
 
 
 async def test_api_nodes_and_prometheus(node: Harness, api: httpx.AsyncClient) -> None:
-    r = await node.orch.create(CreateRequest())
+    r = await node.orch.sandboxes.create(CreateRequest())
     (n,) = (await api.get("/nodes")).json()
     assert n["status"] == "ready" and n["sandboxCount"] == 1 and n["createSuccesses"] == 1
     assert n["metrics"]["allocatedMemoryBytes"] == r.memory_mb * 2**20
@@ -293,10 +297,10 @@ def test_json_log_lines() -> None:
 async def test_timer_lines_about_a_sandbox_carry_its_id(
     node: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:
-    r = await node.orch.create(CreateRequest(timeout=10))
+    r = await node.orch.sandboxes.create(CreateRequest(timeout=10))
     caplog.handler.addFilter(SandboxIdFilter())
     node.clock.advance(11)
     with caplog.at_level(logging.INFO, logger="aenv"):
-        await node.orch.tick()
+        await node.orch.node.tick()
     lines = [rec for rec in caplog.records if "timed out" in rec.getMessage()]
     assert lines and all(getattr(rec, "sandbox_id", None) == r.sandbox_id for rec in lines)

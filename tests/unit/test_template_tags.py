@@ -19,22 +19,30 @@ from aenv.errors import BadRequest, NotFound
 from aenv.orchestrator.catalog import Catalog
 
 
+class _Templates:
+    """The template registry's calls, over a real catalog."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+
+    async def find(self, id_or_name: str) -> TemplateRecord | None:
+        return await asyncio.to_thread(self.catalog.template, id_or_name)
+
+    async def all(self) -> builtins.list[TemplateRecord]:
+        return await asyncio.to_thread(self.catalog.templates)
+
+    async def register(
+        self, rec: TemplateRecord, *, publish: bool = True, exact_names: bool = False
+    ) -> None:
+        self.catalog.put_template(rec, exact_names=exact_names)
+
+
 class _Orch:
     """The template calls of the orchestrator, over a real catalog."""
 
     def __init__(self, tmp: Path) -> None:
         self.catalog = Catalog(tmp / "catalog.db")
-
-    async def find_template(self, id_or_name: str) -> TemplateRecord | None:
-        return await asyncio.to_thread(self.catalog.template, id_or_name)
-
-    async def templates(self) -> builtins.list[TemplateRecord]:
-        return await asyncio.to_thread(self.catalog.templates)
-
-    async def register_template(
-        self, rec: TemplateRecord, *, publish: bool = True, exact_names: bool = False
-    ) -> None:
-        self.catalog.put_template(rec, exact_names=exact_names)
+        self.templates = _Templates(self.catalog)
 
     async def delete_template(self, template_id: str) -> None:
         if not self.catalog.delete_template(template_id):
@@ -48,7 +56,7 @@ async def _build(tags: Tags, orch: _Orch, layer: str, build_tags: list[str]) -> 
     """What finalize does with a finished build: returns its build id."""
     bid = str(uuid.uuid4())
     async with tags.placing(TID, bid, build_tags) as target:
-        await orch.register_template(
+        await orch.templates.register(
             TemplateRecord(
                 template_id=target,
                 kind=TemplateKind.TEMPLATE,
@@ -112,7 +120,7 @@ async def test_tags_of_a_template_made_before_tags(tmp_path: Path) -> None:
     rec = TemplateRecord(
         template_id="base", kind=TemplateKind.TEMPLATE, layers=["sha256:b"], names=["base"]
     )
-    await orch.register_template(rec)
+    await orch.templates.register(rec)
     rows = await tags.rows("base")
     assert [r.tag for r in rows] == ["default"]
     bid = build_id_of(rec)

@@ -90,10 +90,10 @@ def create_app(
     )
     router = SandboxRouter(
         control,
-        orchestrator.resolve,
+        orchestrator.pauser.resolve,
         settings.routing_domains,
         signed_by=orchestrator.signed_by,
         expose=orchestrator.expose,
     )
-    orchestrator.on_sandbox_stopped(router.drop)
+    orchestrator.context.on_stopped(router.drop)
     return router

@@ -28,7 +28,7 @@ from .inputs import EnvVars, Metadata
 ApiState = Literal["running", "paused"]
 
 # How our lifecycle states look through E2B's two-state lens; the same mapping as
-# `Orchestrator.list(states=...)` applies. States missing here (killing, killed, lost) are
+# `SandboxTable.list(states=...)` applies. States missing here (killing, killed, lost) are
 # invisible: listed nowhere, 404 on get.
 _API_STATE: dict[State, ApiState] = {
     State.CREATING: "running",

@@ -70,12 +70,12 @@ class Builder:
             b.reason = BuildReason("the build was interrupted by a server restart")
             b.finished = time.time()
             await asyncio.to_thread(self.store.put, b)
-        for r in self.orch.list():
+        for r in self.orch.table.list():
             if r.metadata.get(META_BUILD):
                 with contextlib.suppress(AenvError):
-                    await self.orch.kill(r.sandbox_id)
+                    await self.orch.sandboxes.kill(r.sandbox_id)
         transient = (TemplateKind.BUILD_STEP, TemplateKind.IMAGE)
-        for t in await self.orch.templates():
+        for t in await self.orch.templates.all():
             half_made = t.kind is TemplateKind.SNAPSHOT and t.build.build_id is not None
             if t.internal and (t.kind in transient or half_made):
                 await self.images.unregister(t.template_id)
@@ -91,7 +91,7 @@ class Builder:
     # ------------------------------------------------------------------ requests
     async def _template_for_name(self, name: str) -> str | None:
         """The id of the template `name` belongs to (catalog, or a build in flight)."""
-        found = await self.orch.find_template(name)
+        found = await self.orch.templates.find(name)
         if found is not None:
             tid = owner_of(found)
             if found.internal:
@@ -144,7 +144,7 @@ class Builder:
     # ------------------------------------------------------------------ tags
     async def template_of(self, id_or_name: str) -> str:
         """The id of the template `id_or_name` (`name`, `name:tag`, an id) belongs to."""
-        found = await self.orch.find_template(id_or_name)
+        found = await self.orch.templates.find(id_or_name)
         if found is not None and not found.internal:
             return owner_of(found)
         base, _tag = split_name(id_or_name)
@@ -152,7 +152,7 @@ class Builder:
             if id_or_name in (b.template_id, *b.names) or base == b.name:
                 return b.template_id
         if base != id_or_name:
-            found = await self.orch.find_template(base)
+            found = await self.orch.templates.find(base)
             if found is not None and not found.internal:
                 return owner_of(found)
         raise NotFound(f"template {id_or_name!r} not found")
@@ -296,11 +296,11 @@ class Builder:
         finally:
             for sid in list(ab.sandboxes):
                 with contextlib.suppress(Exception):
-                    await self.orch.kill(sid)
+                    await self.orch.sandboxes.kill(sid)
             ab.sandboxes.clear()
             b.finished = time.time()
             with contextlib.suppress(Exception):
-                await self.orch.release_layers(BUILD_PIN, bid)
+                await asyncio.to_thread(self.orch.storage.release, BUILD_PIN, bid)
             with contextlib.suppress(Exception):
                 await job.flush_logs()
                 await asyncio.to_thread(self.store.put, b)

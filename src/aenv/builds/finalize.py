@@ -64,7 +64,7 @@ async def finalize(job: BuildJob, spec: BuildSpec, at: Stack, ready_timeout: flo
             created_at=utcnow().isoformat(),
             build=build,
         )
-        await job.orch.register_template(rec)
+        await job.orch.templates.register(rec)
     ab.log("info", f"[finalize] template {b.template_id} registered ({len(at.layers)} layers)")
 
 
@@ -128,7 +128,7 @@ async def _snapshot_started(
     ab.log("info", "[finalize] snapshotting the running sandbox (memory and files)")
     async with job.tags.placing(b.template_id, b.build_id, b.tags) as target:
         # Internal until it is the template: neither listed nor published as a snapshot.
-        rec = await job.orch.snapshot(
+        rec = await job.orch.snapshotter.snapshot(
             sbx.sandbox_id,
             None,
             template_id=target,
@@ -140,7 +140,7 @@ async def _snapshot_started(
         rec.internal = False
         rec.names = list(b.names) if target == b.template_id else []
         rec.cpu_count, rec.memory_mb = b.cpu_count, b.memory_mb
-        await job.orch.register_template(rec)
+        await job.orch.templates.register(rec)
     ab.log("info", f"[finalize] template {rec.template_id} registered (snapshot with memory)")
 
 

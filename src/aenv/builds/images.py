@@ -1,7 +1,7 @@
 """OCI images as sandboxes: pulling (with the node's registry settings) and booting a sandbox
 on any layer stack through a transient internal template.
 
-`Orchestrator.create` boots from a catalog template. A cold start from an image, and every
+`Sandboxes.create` boots from a catalog template. A cold start from an image, and every
 step of a template build, registers an internal template (`internal`, layers held while it
 exists), creates the sandbox (which then holds the layers itself) and drops the template
 again. The image's template is keyed by its manifest digest and shared by concurrent cold
@@ -37,7 +37,8 @@ from ..domain import (
     utcnow,
 )
 from ..errors import AenvError, BadRequest, NotFound
-from ..images.pull import ImageConfig, ProgressFn, PulledImage
+from ..images.cache import holder
+from ..images.pull import ImageConfig, ProgressFn, PulledImage, pull
 from ..images.reference import candidates
 from ..images.registry import Credential
 from ..orchestrator import Orchestrator
@@ -98,13 +99,22 @@ class Images:
     ) -> PulledImage:
         """Pulls into the node's layer store; `pin` holds the layers until released."""
         creds = registry_credentials(self.settings, image, registry)
-        return await self.orch.pull_image(image, progress=progress, credentials=creds, pin=pin)
+        storage = self.orch.storage
+        return await pull(
+            self.settings,
+            storage.layers,
+            image,
+            cache=storage.refs,
+            holder=None if pin is None else holder(*pin),
+            progress=progress,
+            credentials=creds,
+        )
 
     async def release(self, pin: Pin) -> None:
-        await self.orch.release_layers(*pin)
+        await asyncio.to_thread(self.orch.storage.release, *pin)
 
     def passwd(self, layers: list[str]) -> list[stack.PasswdEntry]:
-        return stack.passwd([self.orch.layer_path(d) for d in layers])
+        return stack.passwd([self.orch.storage.layers.path(d) for d in layers])
 
     # ------------------------------------------------------------------ booting
     async def boot(
@@ -115,10 +125,10 @@ class Images:
         async with self._lock:
             count = self._users.get(tid, 0)
             if count == 0:
-                await self.orch.register_template(replace(rec, internal=True), publish=False)
+                await self.orch.templates.register(replace(rec, internal=True), publish=False)
             self._users[tid] = count + 1
         try:
-            return await self.orch.create(replace(req, template_id=tid), timings)
+            return await self.orch.sandboxes.create(replace(req, template_id=tid), timings)
         finally:
             async with self._lock:
                 self._users[tid] -= 1

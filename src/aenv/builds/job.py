@@ -180,11 +180,11 @@ class BuildJob:
             assert source is not None
             if aliased is None:
                 ab.log("info", f"[base] FROM template {source}")
-            base = await self.orch.template(source)
+            base = await self.orch.templates.get(source)
             if base.template_id == ab.record.template_id:
                 raise BuildFailed("a template cannot be built from itself", "base")
             layers = list(base.layers)
-            await self.orch.hold_layers(BUILD_PIN, self.build_id, layers)
+            await asyncio.to_thread(self.orch.storage.hold, BUILD_PIN, self.build_id, layers)
             state.env = dict(base.env)
             state.workdir = base.workdir or None
             state.user = base.user or None
@@ -194,7 +194,7 @@ class BuildJob:
             )
             if base.has_memory:
                 ab.log("info", "[base] (its files only: running processes are not kept)")
-        missing = [d for d in layers if not self.orch.has_layer(d)]
+        missing = [d for d in layers if not self.orch.storage.layers.has(d)]
         if missing:
             raise BuildFailed(f"base layers missing on this node: {', '.join(missing)}", "base")
         return Stack(layers=layers, state=state, origin=origin)
@@ -206,7 +206,7 @@ class BuildJob:
         name = alias_for(image, self.settings.images.image_aliases)
         if name is None:
             return None
-        found = await self.orch.find_template(name)
+        found = await self.orch.templates.find(name)
         if found is None or found.internal:
             return None
         return found.template_id
@@ -214,7 +214,7 @@ class BuildJob:
     async def has_dir(self, layers: list[str], path: str | None) -> bool:
         if not path:
             return False
-        paths = [self.orch.layer_path(d) for d in layers]
+        paths = [self.orch.storage.layers.path(d) for d in layers]
         return await asyncio.to_thread(stack.exists, paths, path)
 
     async def cached_layer(self, key: str) -> str | None:
@@ -222,8 +222,8 @@ class BuildJob:
         if top is None:
             return None
         # Reference first, then check: a layer present now stays (cache.py's race rule).
-        await self.orch.hold_layers(BUILD_PIN, self.build_id, [top])
-        if self.orch.has_layer(top):
+        await asyncio.to_thread(self.orch.storage.hold, BUILD_PIN, self.build_id, [top])
+        if self.orch.storage.layers.has(top):
             return top
         await asyncio.to_thread(self.store.uncache, key)
         return None
@@ -265,9 +265,9 @@ class BuildJob:
 
     async def commit(self, rec: SandboxRecord) -> list[str]:
         """Seals the sandbox's files as a new top layer (the sandbox is gone after)."""
-        layers = await self.orch.export_layers(rec.sandbox_id)
+        layers = await self.orch.sandboxes.export_layers(rec.sandbox_id)
         self.ab.sandboxes.discard(rec.sandbox_id)
-        await self.orch.hold_layers(BUILD_PIN, self.build_id, [layers[0]])
+        await asyncio.to_thread(self.orch.storage.hold, BUILD_PIN, self.build_id, [layers[0]])
         return layers
 
     async def layer_step(
@@ -302,7 +302,7 @@ class BuildJob:
                 raise BuildFailed(f"{what} failed: {end.status or end.error}", str(n))
         elif step.type == "COPY":
             src, dest, owner, mode = step.args
-            python, python_env = self.orch.in_sandbox_python()
+            python, python_env = self.orch.bundle.python_args(), self.orch.bundle.python_env()
             end = await steps.copy_files(
                 rpc,
                 self.files.path(str(step.files_hash)),

@@ -93,7 +93,7 @@ class Tags:
     async def records(self, template_id: str) -> dict[str, TemplateRecord]:
         """The template's catalog records by build id."""
         out: dict[str, TemplateRecord] = {}
-        for t in await self.orch.templates():
+        for t in await self.orch.templates.all():
             mine = owner_of(t) == template_id or t.template_id == pinned_id(
                 template_id, build_id_of(t)
             )  # the latter: a build just registered under its pinned id (`placing`)
@@ -112,7 +112,7 @@ class Tags:
         rows = await asyncio.to_thread(self.store.tags, template_id)
         if rows:
             return rows
-        rec = await self.orch.find_template(template_id)
+        rec = await self.orch.templates.find(template_id)
         if rec is None or rec.internal or rec.template_id != template_id:
             return []
         name = main_name(rec)
@@ -208,7 +208,7 @@ class Tags:
         # A copy under another id is published as its own; the record itself was published
         # when it was registered (its names there may lag: only other nodes read them).
         moved = src.template_id != target
-        await self.orch.register_template(
+        await self.orch.templates.register(
             replace(rec, published=False) if moved else rec, publish=moved, exact_names=True
         )
 
@@ -237,7 +237,7 @@ class Tags:
                 with contextlib.suppress(NotFound, BadRequest):
                     await self.orch.delete_template(rec.template_id)
         # A pinned copy of the same build as the template's own record.
-        for t in await self.orch.templates():
+        for t in await self.orch.templates.all():
             if t.pinned_of == template_id and t.template_id not in keep and not t.internal:
                 with contextlib.suppress(NotFound, BadRequest):
                     await self.orch.delete_template(t.template_id)

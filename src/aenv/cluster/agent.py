@@ -82,10 +82,10 @@ class NodeAgent:
             await self.beat()
 
     async def record(self, status: str | None = None) -> NodeRecord:
-        info = await self.orch.node_info()
+        info = await self.orch.stats.info()
         held = []
-        for t in await self.orch.templates():
-            if t.internal or not all(self.orch.has_layer(d) for d in t.layers):
+        for t in await self.orch.templates.all():
+            if t.internal or not all(self.orch.storage.layers.has(d) for d in t.layers):
                 continue
             held.append(t.template_id)
             held.extend(t.names)
@@ -110,7 +110,7 @@ class NodeAgent:
     async def beat(self, status: str | None = None) -> None:
         try:
             node = await self.record(status)
-            roster = {r.sandbox_id: roster_entry(r) for r in self.orch.list()}
+            roster = {r.sandbox_id: roster_entry(r) for r in self.orch.table.list()}
             self._previous = await self.state.heartbeat(node, roster, self._previous)
         except Exception as e:
             self._previous = None  # whatever Redis lost, the next heartbeat writes again
@@ -123,7 +123,7 @@ class NodeAgent:
         self._failing = False
 
     async def _give_up_moved(self) -> None:
-        for r in self.orch.list():
+        for r in self.orch.table.list():
             try:
                 owner = await self.state.binding(r.sandbox_id)
             except Exception as e:
@@ -134,7 +134,7 @@ class NodeAgent:
             if await self.state.roster_entry(owner, r.sandbox_id) is None:
                 continue
             try:
-                await self.orch.release(r.sandbox_id)
+                await self.orch.mover.release(r.sandbox_id)
                 log.info(
                     "sandbox %s moved to node %s while this node was away", r.sandbox_id, owner
                 )

@@ -1,22 +1,50 @@
-"""The node's core behind one facade (`Orchestrator`); see facade.py for its parts. The
-records its methods take and return are exported here with it: the layers above import
-this package, never its modules (`tests/unit/test_import_layers.py`)."""
+"""The node's core: `Orchestrator` builds it and exposes its parts (see facade.py). The parts'
+types and the records their methods take and return are exported here with it: the layers
+above import this package, never its modules (`tests/unit/test_import_layers.py`)."""
 
-from .context import check_timeout
+from .context import NodeContext, check_timeout
 from .facade import Orchestrator
-from .fork import ForkResult
-from .logs import LEVELS, LogEntry
-from .metrics import MetricSample
-from .nodeinfo import CLUSTER_ID, DiskInfo, NodeInfo
+from .fork import Forker, ForkResult
+from .idle import IdleTracker
+from .liveness import Liveness
+from .logs import LEVELS, LogEntry, SandboxLogs
+from .metrics import MetricSample, SandboxMetrics
+from .moving import DrainResult, Mover
+from .node import Node
+from .nodeinfo import CLUSTER_ID, DiskInfo, NodeInfo, NodeStats
+from .pausing import Pauser
+from .sampling import Sampler
+from .sandboxes import Sandboxes
+from .snapshots import Snapshotter
+from .table import SandboxTable
+from .templates import TemplateRegistry
+from .volumes import Volumes
 
 __all__ = [
     "CLUSTER_ID",
     "LEVELS",
     "DiskInfo",
+    "DrainResult",
     "ForkResult",
+    "Forker",
+    "IdleTracker",
+    "Liveness",
     "LogEntry",
     "MetricSample",
+    "Mover",
+    "Node",
+    "NodeContext",
     "NodeInfo",
+    "NodeStats",
     "Orchestrator",
+    "Pauser",
+    "SandboxLogs",
+    "SandboxMetrics",
+    "SandboxTable",
+    "Sampler",
+    "Sandboxes",
+    "Snapshotter",
+    "TemplateRegistry",
+    "Volumes",
     "check_timeout",
 ]

@@ -9,7 +9,7 @@ import secrets
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from ..background import Background
 from ..config import Settings
@@ -19,6 +19,25 @@ from ..errors import BadRequest, Unavailable
 log = logging.getLogger("aenv.orchestrator")
 
 Clock = Callable[[], datetime]
+
+
+class Waking(Protocol):
+    """What a request does to an idle sandbox (`IdleTracker`): the parts that serve requests
+    are made before the tracker (it needs the Pauser), so they reach it through the context."""
+
+    def touch(self, sandbox_id: str) -> None: ...
+
+    async def wake(self, sandbox_id: str, *, restore: bool = True) -> None: ...
+
+
+class _NeverIdle:
+    """Until an idle tracker is made nothing naps: there is nothing to end."""
+
+    def touch(self, sandbox_id: str) -> None:
+        pass
+
+    async def wake(self, sandbox_id: str, *, restore: bool = True) -> None:
+        pass
 
 
 @dataclass
@@ -34,6 +53,7 @@ class NodeContext:
     run_id: str = field(default_factory=lambda: secrets.token_hex(8))
     _tasks: Background = field(default_factory=Background)
     _stop_listeners: list[Callable[[str], None]] = field(default_factory=list)
+    _idle: Waking = field(default_factory=_NeverIdle)
 
     def now(self) -> datetime:
         return self.clock()
@@ -42,6 +62,19 @@ class NodeContext:
         """Refuses (503) a new sandbox — a create's or a fork child's — on a draining node."""
         if self.draining:
             raise Unavailable("this node is draining: it takes no new sandboxes")
+
+    def track_idle(self, tracker: Waking) -> None:
+        """The idle tracker, which `touch` and `wake` reach from now on (it calls this)."""
+        self._idle = tracker
+
+    def touch(self, sandbox_id: str) -> None:
+        """A request for the sandbox that does not reach it: its idle time starts again."""
+        self._idle.touch(sandbox_id)
+
+    async def wake(self, sandbox_id: str, *, restore: bool = True) -> None:
+        """A request is about to reach the sandbox: its nap or standby ends first
+        (`restore=False`: one in standby on disk is left there, for a kill or pause)."""
+        await self._idle.wake(sandbox_id, restore=restore)
 
     def on_stopped(self, listener: Callable[[str], None]) -> None:
         """`listener(sandbox_id)` runs whenever a sandbox's processes end (kill, loss, a

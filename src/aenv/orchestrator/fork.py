@@ -17,6 +17,8 @@ from .. import crashpoint
 from ..domain import CreateRequest, PauseTier, SandboxRecord, SandboxState, Timings
 from ..errors import AenvError, BadRequest, Conflict
 from .context import NodeContext, check_timeout
+from .logs import SandboxLogs
+from .nodeinfo import NodeStats
 from .sandboxes import Sandboxes
 from .snapshots import Snapshotter
 from .table import SandboxTable
@@ -40,6 +42,8 @@ class Forker:
     snapshotter: Snapshotter
     sandboxes: Sandboxes
     templates: TemplateRegistry
+    stats: NodeStats
+    logs: SandboxLogs
 
     async def fork(
         self,
@@ -48,7 +52,18 @@ class Forker:
         timeout: int | None = None,
         timings: Timings | None = None,
     ) -> list[ForkResult]:
-        t = timings or Timings()
+        """`count` children of the sandbox, counted and logged as a fork; each child is
+        counted and logged as a create too (`Sandboxes.create`), and refused like one on a
+        draining node."""
+        await self.ctx.wake(sandbox_id)
+        with self.stats.observe("fork", sandbox_id):
+            children = await self._fork(sandbox_id, count, timeout, timings or Timings())
+        self.logs.note(sandbox_id, "sandbox forked", count=count)
+        return children
+
+    async def _fork(
+        self, sandbox_id: str, count: int, timeout: int | None, t: Timings
+    ) -> list[ForkResult]:
         if not 1 <= count <= MAX_CHILDREN:
             raise BadRequest(f"count must be between 1 and {MAX_CHILDREN}")
         check_timeout(timeout, self.ctx.settings)

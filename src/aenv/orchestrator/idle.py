@@ -71,6 +71,7 @@ class IdleTracker:
         self.pauser = pauser
         self._state: dict[str, _Idle] = {}
         self._disk_moves = asyncio.Semaphore(DISK_MOVES)
+        ctx.track_idle(self)
 
     @property
     def nap_after(self) -> float:
@@ -106,7 +107,7 @@ class IdleTracker:
         s.last_request = self.ctx.now()
         r = self.table.find(sandbox_id)
         if restore and r is not None and r.in_standby_on_disk:
-            await self.pauser.connect(sandbox_id, None)
+            await self.pauser.restore_standby(sandbox_id)
             return
         if s.napping is None and s.frozen is None:
             return

@@ -21,6 +21,7 @@ import httpx
 
 from ..domain import ENVD_PORT, SandboxRecord, SandboxState
 from ..errors import AenvError
+from .context import NodeContext
 from .table import SandboxTable
 
 log = logging.getLogger("aenv.orchestrator")
@@ -49,7 +50,14 @@ class JournalSource(Protocol):
 
 
 class SandboxLogs:
-    def __init__(self, table: SandboxTable, envd: JournalSource, size: int = MAX_ENTRIES) -> None:
+    def __init__(
+        self,
+        ctx: NodeContext,
+        table: SandboxTable,
+        envd: JournalSource,
+        size: int = MAX_ENTRIES,
+    ) -> None:
+        self.ctx = ctx
         self.table = table
         self.envd = envd
         self.size = size
@@ -82,6 +90,13 @@ class SandboxLogs:
             self._entries.pop(gone, None)
             self._cursor.pop(gone, None)
             self._locks.pop(gone, None)
+
+    async def read(self, sandbox_id: str) -> list[LogEntry]:
+        """The sandbox's entries (envd's journal read first), oldest first."""
+        r = self.table.get(sandbox_id)
+        await self.ctx.wake(sandbox_id)  # envd answers only awake
+        await self.pull(r)
+        return self.entries(r)
 
     async def pull(self, r: SandboxRecord) -> None:
         """Takes envd's new journal entries (a running sandbox only: a frozen envd cannot

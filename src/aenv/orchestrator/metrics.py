@@ -108,10 +108,22 @@ class SandboxMetrics:
             ring.append(replace(ring[-1], at=self.ctx.now(), cpu_used_pct=0.0))
 
     def series(
+        self, sandbox_id: str, start: datetime | None = None, end: datetime | None = None
+    ) -> list[MetricSample]:
+        """The sandbox's recorded samples in [start, end] (seconds resolution, as E2B's
+        query), oldest first; none from before the sandbox was handed out (a pool
+        sandbox's)."""
+        return self._series(self.table.get(sandbox_id), start, end)
+
+    def latest(self, sandbox_id: str) -> MetricSample | None:
+        """The sandbox's last sample, if any (none for a sandbox gone)."""
+        r = self.table.find(sandbox_id)
+        found = None if r is None else self._series(r)
+        return found[-1] if found else None
+
+    def _series(
         self, r: SandboxRecord, start: datetime | None = None, end: datetime | None = None
     ) -> list[MetricSample]:
-        """The recorded samples in [start, end] (seconds resolution, as E2B's query), oldest
-        first; none from before the sandbox was handed out (a pool sandbox's)."""
         lo = r.started_at - timedelta(seconds=1)
         if start is not None:
             lo = max(lo, start)
@@ -119,7 +131,3 @@ class SandboxMetrics:
         return [
             s for s in self._rings.get(r.sandbox_id, ()) if s.at >= lo and (hi is None or s.at < hi)
         ]
-
-    def latest(self, r: SandboxRecord) -> MetricSample | None:
-        found = self.series(r)
-        return found[-1] if found else None

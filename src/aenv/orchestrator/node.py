@@ -75,12 +75,7 @@ class Node:
                 continue
             with sandbox_context(r.sandbox_id):
                 await self._expire(r)
-        for sandbox_id in self.pauser.idle_frozen():
-            with sandbox_context(sandbox_id):
-                try:
-                    await self.pauser.hibernate(sandbox_id)
-                except Exception:
-                    log.exception("hibernating %s failed", sandbox_id)
+        await self.pauser.hibernate_idle()
         self._ticks += 1
         if self._ticks % LIVENESS_EVERY_TICKS == 0:
             await self.liveness.sweep()
@@ -89,10 +84,10 @@ class Node:
         try:
             if r.auto_pause:
                 log.info("sandbox %s timed out: pausing", r.sandbox_id)
-                await self.pauser.pause(r.sandbox_id, memory=r.auto_pause_memory)
+                await self.pauser.auto_pause(r.sandbox_id, r.auto_pause_memory)
             else:
                 log.info("sandbox %s timed out: killing", r.sandbox_id)
-                await self.sandboxes.kill(r.sandbox_id)
+                await self.sandboxes.end(r.sandbox_id)
         except AenvError as e:
             log.info("timeout handling of %s: %s", r.sandbox_id, e.message)
         except Exception:

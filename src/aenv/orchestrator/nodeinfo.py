@@ -153,8 +153,12 @@ class NodeStats:
             self._status = (want, datetime.now(UTC))
         return self._status
 
-    def info(self, *, with_sandboxes: bool = False) -> NodeInfo:
-        """The node now (reads /proc and statvfs: call it off the event loop)."""
+    async def info(self, *, with_sandboxes: bool = False) -> NodeInfo:
+        """The node now."""
+        # It reads /proc and statvfs: off the event loop.
+        return await asyncio.to_thread(self._info, with_sandboxes)
+
+    def _info(self, with_sandboxes: bool) -> NodeInfo:
         records = self.table.all()
         counts: Tally[str] = Tally(r.state.value for r in records)
         for r in records:
@@ -203,8 +207,12 @@ class NodeStats:
         return round(100 * busy / total) if total > 0 else 0
 
     # ---------------------------------------------------------------- Prometheus
-    def exposition(self) -> bytes:
-        """The text exposition (reads caches' sizes on disk: call it off the event loop)."""
+    async def exposition(self) -> bytes:
+        """The node's Prometheus text exposition."""
+        # It reads caches' sizes on disk: off the event loop.
+        return await asyncio.to_thread(self._exposition)
+
+    def _exposition(self) -> bytes:
         records = self.table.all()
         counts = Tally(r.state.value for r in records)
         for state in SandboxState:

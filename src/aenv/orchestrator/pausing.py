@@ -34,9 +34,12 @@ from ..domain import (
     Upstream,
 )
 from ..errors import Conflict, Forbidden, SandboxNotFound, Unavailable
+from ..logctx import sandbox_context
 from ..runtime.base import Instance, Runtime
 from .boot import Booter
 from .context import NodeContext, check_timeout
+from .logs import SandboxLogs
+from .nodeinfo import NodeStats
 from .table import SandboxTable
 from .templates import TemplateRegistry
 
@@ -57,6 +60,8 @@ class Pauser:
     booter: Booter
     runtime: Runtime
     templates: TemplateRegistry
+    stats: NodeStats
+    logs: SandboxLogs
     _publishing: dict[str, asyncio.Task[bool]] = field(default_factory=dict, init=False)
 
     # ------------------------------------------------------------------ pause
@@ -68,9 +73,34 @@ class Pauser:
         *,
         require_healthy_guest: bool = False,
     ) -> None:
-        """Pauses a running sandbox (`memory=False`: files only). `require_healthy_guest`
-        (the SDK's `pause(strict=True)`): refused with 503, the sandbox left running, when
-        its envd does not answer; otherwise envd is not asked (no tier here needs it)."""
+        """A user's pause of a running sandbox (`memory=False`: files only), counted and
+        logged. `require_healthy_guest` (the SDK's `pause(strict=True)`): refused with 503,
+        the sandbox left running, when its envd does not answer; otherwise envd is not asked
+        (no tier here needs it)."""
+        # envd's journal is not read first (a request into the sandbox would cost pause
+        # more than the freeze): a frozen or hibernated envd keeps it for the next read
+        # after resume; a paused sandbox's logs are those read before it paused.
+        # A napping sentry would stop slower; one in standby on disk is paused there.
+        await self.ctx.wake(sandbox_id, restore=False)
+        with self.stats.observe("pause", sandbox_id):
+            await self._pause(
+                sandbox_id, memory, timings, require_healthy_guest=require_healthy_guest
+            )
+        self.logs.note(sandbox_id, "sandbox paused", memory=str(memory).lower())
+
+    async def auto_pause(self, sandbox_id: str, memory: bool) -> None:
+        """The node's own pause of a sandbox whose timeout ran out (`autoPause`): not
+        counted or logged as a user's."""
+        await self._pause(sandbox_id, memory)
+
+    async def _pause(
+        self,
+        sandbox_id: str,
+        memory: bool = True,
+        timings: Timings | None = None,
+        *,
+        require_healthy_guest: bool = False,
+    ) -> None:
         t = timings or Timings()
         self.table.get(sandbox_id)
         async with self.table.lock(sandbox_id):
@@ -118,30 +148,42 @@ class Pauser:
                 await self._hibernate_locked(r, t)
 
     async def hibernate(self, sandbox_id: str, timings: Timings | None = None) -> None:
-        """Puts a frozen sandbox on disk; anything else is left as it is."""
+        """A user's (or a test's) hibernation of a frozen sandbox, counted; anything else
+        is left as it is."""
+        with self.stats.observe("hibernate", sandbox_id):
+            await self._hibernate(sandbox_id, timings)
+
+    async def _hibernate(self, sandbox_id: str, timings: Timings | None = None) -> None:
         async with self.table.lock(sandbox_id):
             r = self.table.find(sandbox_id)
             if r is not None and r.tier is PauseTier.FROZEN:
                 await self._hibernate_locked(r, timings or Timings())
 
-    def idle_frozen(self) -> list[str]:
-        """The frozen sandboxes that have been idle for `hibernate_after` seconds."""
+    async def hibernate_idle(self) -> None:
+        """The timers' round: frozen sandboxes idle for `hibernate_after` seconds go on
+        disk."""
         after = timedelta(seconds=self.ctx.settings.hibernate_after)
         now = self.ctx.now()
-        return [
+        idle = [
             r.sandbox_id
             for r in self.table.all()
             if r.tier is PauseTier.FROZEN
             and r.paused is not None
             and now - r.paused.paused_at >= after
         ]
+        for sandbox_id in idle:
+            with sandbox_context(sandbox_id):
+                try:
+                    await self._hibernate(sandbox_id)
+                except Exception:
+                    log.exception("hibernating %s failed", sandbox_id)
 
     async def hibernate_all(self) -> None:
         """At shutdown: frozen sandboxes would die with the host's processes on a reboot."""
         for r in self.table.all():
             if r.tier is PauseTier.FROZEN:
                 try:
-                    await self.hibernate(r.sandbox_id)
+                    await self._hibernate(r.sandbox_id)
                 except Exception:
                     log.exception("hibernating %s at shutdown failed", r.sandbox_id)
 
@@ -243,10 +285,10 @@ class Pauser:
         so another node can resume it (drain). Whether it is in the repository now."""
         r = self.table.get(sandbox_id)
         if r.state is SandboxState.RUNNING:
-            await self.pause(sandbox_id)
+            await self._pause(sandbox_id)
             r = self.table.get(sandbox_id)
         if r.state is SandboxState.PAUSED and r.tier is PauseTier.FROZEN:
-            await self.hibernate(sandbox_id)
+            await self._hibernate(sandbox_id)
             r = self.table.get(sandbox_id)
         if r.tier is not PauseTier.HIBERNATED or r.paused is None or r.paused.image is None:
             return False
@@ -318,8 +360,27 @@ class Pauser:
         memory: bool | None = None,
         timings: Timings | None = None,
     ) -> tuple[SandboxRecord, bool]:
-        """Resumes a paused sandbox (E2B's connect); extends a running one's timeout.
-        Returns the record and whether it was resumed."""
+        """A user's resume of a paused sandbox (E2B's connect), counted and logged; extends
+        a running one's timeout. Returns the record and whether it was resumed."""
+        await self.ctx.wake(sandbox_id)
+        with self.stats.observe("connect", sandbox_id):
+            r, resumed = await self._connect(sandbox_id, timeout, memory, timings)
+        if resumed:
+            self.logs.note(sandbox_id, "sandbox resumed")
+        return r, resumed
+
+    async def restore_standby(self, sandbox_id: str) -> None:
+        """Restores a sandbox in standby on disk for a request that reaches it (the idle
+        tracker's wake): the node's doing, not counted as a resume."""
+        await self._connect(sandbox_id, None)
+
+    async def _connect(
+        self,
+        sandbox_id: str,
+        timeout: int | None,
+        memory: bool | None = None,
+        timings: Timings | None = None,
+    ) -> tuple[SandboxRecord, bool]:
         t = timings or Timings()
         settings = self.ctx.settings
         self.table.get(sandbox_id)
@@ -380,12 +441,14 @@ class Pauser:
                 "the e2b-traffic-access-token header"
             )
         if r.in_standby_on_disk:
-            await self.connect(sandbox_id, None)
+            await self._connect(sandbox_id, None)
         elif r.state is not SandboxState.RUNNING:
             if not r.auto_resume:
                 raise SandboxNotFound(sandbox_id, state="paused")
-            await self.connect(sandbox_id, max(300, self.ctx.settings.default_timeout))
+            await self._connect(sandbox_id, max(300, self.ctx.settings.default_timeout))
         if r.address is None:
             raise SandboxNotFound(sandbox_id)
         mask = r.mask_request_host
-        return Upstream(r.address, port, mask.replace("${PORT}", str(port)) if mask else None)
+        upstream = Upstream(r.address, port, mask.replace("${PORT}", str(port)) if mask else None)
+        await self.ctx.wake(sandbox_id)
+        return upstream

@@ -181,6 +181,15 @@ class Sandboxes:
             )
 
     async def kill(self, sandbox_id: str) -> None:
+        """A user's kill, counted as one."""
+        # Out of standby (frozen tasks die only thawed); one on disk is killed there.
+        await self.ctx.wake(sandbox_id, restore=False)
+        with self.stats.observe("kill", sandbox_id):
+            await self.end(sandbox_id)
+
+    async def end(self, sandbox_id: str) -> None:
+        """Kills the sandbox for the node itself (its timeout ran out, its files exported):
+        not counted as a user's kill, nothing woken."""
         r = self.table.find(sandbox_id)
         if r is None or r.state in (*_GONE, SandboxState.CREATING):
             raise NotFound(f"sandbox {sandbox_id!r} not found")
@@ -199,6 +208,7 @@ class Sandboxes:
                 await self.templates.drop_image(r.paused.image)
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
+        self.ctx.touch(sandbox_id)
         r = self.table.get(sandbox_id)
         check_timeout(timeout, self.ctx.settings)
         r.end_at = self.ctx.now() + timedelta(seconds=timeout)
@@ -218,6 +228,7 @@ class Sandboxes:
         return r
 
     async def refresh(self, sandbox_id: str, duration: int | None) -> SandboxRecord:
+        self.ctx.touch(sandbox_id)
         r = self.table.get(sandbox_id)
         d = self.ctx.settings.default_timeout if duration is None else duration
         if d < 0 or d > 3600:
@@ -240,5 +251,5 @@ class Sandboxes:
             digest = await asyncio.to_thread(self.storage.seal, Path(r.upper), r.sandbox_id)
             layers = [digest, *r.layers]
             r.upper = None
-        await self.kill(sandbox_id)
+        await self.end(sandbox_id)
         return layers

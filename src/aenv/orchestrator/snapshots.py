@@ -37,6 +37,8 @@ from ..images.layers import LayerError
 from ..runtime.base import Runtime
 from .boot import Booter
 from .context import NodeContext
+from .logs import SandboxLogs
+from .nodeinfo import NodeStats
 from .table import SandboxTable
 from .templates import TemplateRegistry
 
@@ -53,6 +55,8 @@ class Snapshotter:
     booter: Booter
     runtime: Runtime
     templates: TemplateRegistry
+    stats: NodeStats
+    logs: SandboxLogs
 
     async def snapshot(
         self,
@@ -70,8 +74,37 @@ class Snapshotter:
         """Makes a template of the sandbox's files, memory and processes (`memory=False`: of
         its files only); it keeps running. `template_id` (a template build) names the result
         instead of a new snapshot id; `internal`: neither listed nor published (a build
-        registers it again as its template)."""
-        t = timings or Timings()
+        registers it again as its template). Counted; logged unless internal."""
+        await self.ctx.wake(sandbox_id)  # a napping sentry would checkpoint slower
+        with self.stats.observe("snapshot", sandbox_id):
+            rec = await self._snapshot(
+                sandbox_id,
+                name,
+                timings or Timings(),
+                template_id=template_id,
+                parent=parent,
+                build=build,
+                fork_of=fork_of,
+                internal=internal,
+                memory=memory,
+            )
+        if not internal:
+            self.logs.note(sandbox_id, "snapshot taken", snapshotID=rec.template_id)
+        return rec
+
+    async def _snapshot(
+        self,
+        sandbox_id: str,
+        name: str | None,
+        t: Timings,
+        *,
+        template_id: str | None,
+        parent: str | None,
+        build: BuildInfo | None,
+        fork_of: str | None,
+        internal: bool,
+        memory: bool,
+    ) -> TemplateRecord:
         self.table.get(sandbox_id)
         if name is not None:
             check_name(name)

@@ -209,6 +209,8 @@ class SandboxStorage:
         return d
 
     def hold(self, kind: str, ident: str, digests: list[str]) -> None:
+        """Keeps layers from eviction on behalf of `kind`/`ident` (a sandbox, a build, a
+        pull...) until `release(kind, ident)`."""
         self.refs.ref_many(digests, holder(kind, ident))
 
     def unhold(self, kind: str, ident: str, digests: list[str]) -> None:

@@ -103,6 +103,14 @@ class TemplateRegistry:
         if publish and self.durable is not None and not rec.internal:
             self.durable.publish_later(rec)
 
+    async def set_standby(self, id_or_name: str, seconds: float | None) -> TemplateRecord:
+        """Seconds idle before standby for the template's new sandboxes that set none
+        (None: the node's `AENV_STANDBY_AFTER`; 0: never)."""
+        rec = await self.get(id_or_name)
+        rec.standby_after = seconds
+        await self.update(rec)
+        return rec
+
     async def update(self, rec: TemplateRecord) -> None:
         """Stores a changed setting of a template (same layers and image), everywhere."""
         await asyncio.to_thread(self.catalog.put_template, rec)

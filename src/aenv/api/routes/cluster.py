@@ -58,9 +58,9 @@ async def set_node_status(
     if node_id != own:
         raise NotFound(f"node {node_id!r} not found (this is node {own!r})")
     if change.status == "ready":
-        orchestrator.undrain()
+        orchestrator.mover.undrain()
         return NodeStatusResult(nodeID=own, status="ready")
-    done = await orchestrator.drain()
+    done = await orchestrator.mover.drain()
     return NodeStatusResult(
         nodeID=own,
         status="draining",
@@ -73,10 +73,10 @@ async def set_node_status(
 
 @router.post("/cluster/sandboxes/{sandbox_id}/release", summary="Give a sandbox up")
 async def release(sandbox_id: str, orchestrator: OrchestratorDep) -> Released:
-    return Released(sandboxID=sandbox_id, image=await orchestrator.release(sandbox_id))
+    return Released(sandboxID=sandbox_id, image=await orchestrator.mover.release(sandbox_id))
 
 
 @router.post("/cluster/sandboxes/{sandbox_id}/adopt", summary="Take a sandbox over")
 async def adopt(sandbox_id: str, req: AdoptRequest, orchestrator: OrchestratorDep) -> Adopted:
-    r = await orchestrator.adopt(sandbox_id, req.image)
+    r = await orchestrator.mover.adopt(sandbox_id, req.image)
     return Adopted(sandboxID=r.sandbox_id, state=r.state.value)

@@ -52,7 +52,7 @@ def _ms(e: LogEntry) -> int:
 
 def _visible(orchestrator: Orchestrator, sandbox_id: str) -> None:
     # Raises NotFound for a sandbox its user cannot see.
-    orchestrator.get(sandbox_id)
+    orchestrator.table.get(sandbox_id)
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -71,7 +71,7 @@ async def sandboxes_metrics(
         raise BadRequest(f"at most {MAX_METRICS_IDS} sandbox ids at once")
     out: dict[str, SandboxMetric] = {}
     for sid in ids:
-        sample = orchestrator.latest_metrics(sid)
+        sample = orchestrator.metrics.latest(sid)
         if sample is not None:
             out[sid] = SandboxMetric.of(sample)
     return SandboxesWithMetrics(sandboxes=out)
@@ -86,7 +86,7 @@ async def sandbox_metrics(
 ) -> list[SandboxMetric]:
     if start is not None and end is not None and start > end:
         raise BadRequest("start must not be after end")
-    samples = orchestrator.metrics(sandbox_id, _at(start), _at(end))
+    samples = orchestrator.metrics.series(sandbox_id, _at(start), _at(end))
     return [SandboxMetric.of(s) for s in samples]
 
 
@@ -100,7 +100,9 @@ async def sandbox_logs_v1(
     start: Millis = None,
     limit: Annotated[int, Query(ge=0, le=2**31 - 1)] = 1000,
 ) -> SandboxLogs:
-    entries = [e for e in await orchestrator.logs(sandbox_id) if start is None or _ms(e) >= start]
+    entries = [
+        e for e in await orchestrator.logs.read(sandbox_id) if start is None or _ms(e) >= start
+    ]
     entries = entries[:limit]
     return SandboxLogs(
         logs=[SandboxLog(timestamp=e.at, line=e.line) for e in entries],
@@ -118,7 +120,7 @@ async def sandbox_logs_v2(
     level: Literal["debug", "info", "warn", "error"] | None = None,
     search: Annotated[str | None, Query(max_length=256)] = None,
 ) -> SandboxLogsV2:
-    entries = await orchestrator.logs(sandbox_id)
+    entries = await orchestrator.logs.read(sandbox_id)
     if level is not None:
         floor = LEVELS.index(level)
         entries = [e for e in entries if LEVELS.index(e.level) >= floor]
@@ -142,7 +144,7 @@ async def nodes(
     orchestrator: OrchestratorDep,
     cluster_id: Annotated[str | None, Query(alias="clusterID")] = None,
 ) -> list[Node]:
-    return [Node.of(await orchestrator.node_info())]
+    return [Node.of(await orchestrator.stats.info())]
 
 
 @router.get("/nodes/{node_id}", summary="A node and its sandboxes")
@@ -151,7 +153,7 @@ async def node(
     orchestrator: OrchestratorDep,
     cluster_id: Annotated[str | None, Query(alias="clusterID")] = None,
 ) -> NodeDetail:
-    info = await orchestrator.node_info(with_sandboxes=True)
+    info = await orchestrator.stats.info(with_sandboxes=True)
     if node_id not in (info.node_id, info.service_instance_id):
         raise NotFound(f"node {node_id!r} not found")
     return NodeDetail.of(info)
@@ -164,4 +166,4 @@ async def node(
     responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
 )
 async def prometheus(orchestrator: OrchestratorDep) -> Response:
-    return Response(await orchestrator.prometheus(), media_type=CONTENT_TYPE_LATEST)
+    return Response(await orchestrator.stats.exposition(), media_type=CONTENT_TYPE_LATEST)

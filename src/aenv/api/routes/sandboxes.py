@@ -94,7 +94,7 @@ async def _create(
 
     async def create() -> tuple[Sandbox, str]:
         timings = Timings()
-        record = await orchestrator.create(req, timings=timings)
+        record = await orchestrator.sandboxes.create(req, timings=timings)
         return Sandbox.from_record(record, settings.domain), timings.header()
 
     sandbox, timing = await idempotency.run(key, create)
@@ -162,7 +162,7 @@ async def list_sandboxes_v1(
     metadata: Annotated[str | None, Query(description="urlencoded k=v&k2=v2")] = None,
 ) -> list[ListedSandbox]:
     wanted = {"running"}
-    records = orchestrator.list(metadata=parse_metadata_filter(metadata), states=wanted)
+    records = orchestrator.table.list(metadata=parse_metadata_filter(metadata), states=wanted)
     return [ListedSandbox.from_record(r, s) for r, s in _listed(records, wanted)]
 
 
@@ -182,7 +182,7 @@ async def list_sandboxes_v2(
 ) -> list[ListedSandbox]:
     wanted = parse_states(state or [])
     cursor = Cursor.decode(next_token) if next_token else None
-    records = orchestrator.list(
+    records = orchestrator.table.list(
         metadata=parse_metadata_filter(metadata),
         states=wanted,
         template=template or None,
@@ -203,7 +203,7 @@ async def list_sandboxes_v2(
 async def get_sandbox(
     sandbox_id: str, orchestrator: OrchestratorDep, settings: SettingsDep
 ) -> SandboxDetail:
-    record = orchestrator.get(sandbox_id)
+    record = orchestrator.table.get(sandbox_id)
     return SandboxDetail.from_record(record, _visible_state(record), settings.domain)
 
 
@@ -213,7 +213,7 @@ async def get_sandbox(
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204, response_class=Response, summary="Kill")
 async def kill_sandbox(sandbox_id: str, orchestrator: OrchestratorDep) -> Response:
-    await orchestrator.kill(sandbox_id)
+    await orchestrator.sandboxes.kill(sandbox_id)
     return Response(status_code=204)
 
 
@@ -227,7 +227,7 @@ async def set_timeout(
     sandbox_id: str, body: TimeoutBody, orchestrator: OrchestratorDep, settings: SettingsDep
 ) -> Response:
     check_timeout(body.timeout, settings)
-    await orchestrator.set_timeout(sandbox_id, body.timeout)
+    await orchestrator.sandboxes.set_timeout(sandbox_id, body.timeout)
     return Response(status_code=204)
 
 
@@ -240,7 +240,7 @@ async def set_timeout(
 async def update_network(
     sandbox_id: str, body: NetworkUpdate, orchestrator: OrchestratorDep
 ) -> Response:
-    await orchestrator.update_network(sandbox_id, body.policy(body.allow_internet_access))
+    await orchestrator.sandboxes.update_network(sandbox_id, body.policy(body.allow_internet_access))
     return Response(status_code=204)
 
 
@@ -253,7 +253,7 @@ async def update_network(
 async def refresh(
     sandbox_id: str, orchestrator: OrchestratorDep, body: RefreshBody | None = None
 ) -> Response:
-    await orchestrator.refresh(sandbox_id, body.duration if body else None)
+    await orchestrator.sandboxes.refresh(sandbox_id, body.duration if body else None)
     return Response(status_code=204)
 
 
@@ -267,7 +267,7 @@ async def _connect(
 ) -> Sandbox:
     check_timeout(ttl, settings)
     timings = Timings()
-    record, resumed = await orchestrator.connect(sandbox_id, ttl, memory, timings=timings)
+    record, resumed = await orchestrator.pauser.connect(sandbox_id, ttl, memory, timings=timings)
     response.status_code = 201 if resumed else 200
     add_timing(response, timings)
     return Sandbox.from_record(record, settings.domain)
@@ -321,7 +321,7 @@ async def pause_sandbox(
     memory = body.memory if body is not None and body.memory is not None else True
     strict = body is not None and body.require_healthy_guest is True
     timings = Timings()
-    await orchestrator.pause(
+    await orchestrator.pauser.pause(
         sandbox_id, memory=memory, timings=timings, require_healthy_guest=strict
     )
     response = Response(status_code=204)
@@ -341,12 +341,14 @@ async def resume_sandbox(
 ) -> Sandbox:
     body = body or ResumedSandbox()
     check_timeout(body.timeout, settings)
-    record = orchestrator.get(sandbox_id)
+    record = orchestrator.table.get(sandbox_id)
     if _visible_state(record) == "running":
         raise Conflict(f"sandbox {sandbox_id} is already running")
     # TODO: `autoPause` (change the on-timeout action) needs an orchestrator setter.
     timings = Timings()
-    record, _ = await orchestrator.connect(sandbox_id, body.timeout, body.memory, timings=timings)
+    record, _ = await orchestrator.pauser.connect(
+        sandbox_id, body.timeout, body.memory, timings=timings
+    )
     response.status_code = 201
     add_timing(response, timings)
     return Sandbox.from_record(record, settings.domain)

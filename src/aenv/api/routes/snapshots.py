@@ -125,7 +125,7 @@ async def create_snapshot(
 ) -> SnapshotInfo:
     body = body or SnapshotRequest()
     timings = Timings()
-    snap = await orchestrator.snapshot(
+    snap = await orchestrator.snapshotter.snapshot(
         sandbox_id, body.name, timings=timings, memory=body.memory is not False
     )
     add_timing(response, timings)
@@ -141,7 +141,7 @@ async def list_snapshots(
     limit: int = Query(default=100, ge=1, le=1000),
     next_token: str | None = Query(default=None, alias="nextToken"),
 ) -> list[SnapshotInfo]:
-    items = await orchestrator.snapshots(sandbox_id=sandbox_id, name=name)
+    items = await orchestrator.templates.snapshots(sandbox_id=sandbox_id, name=name)
     cursor = Cursor.decode(next_token) if next_token else None
     page, token = paginate(items, order="asc", limit=limit, cursor=cursor, key=_snapshot_key)
     if token is not None:
@@ -155,7 +155,7 @@ async def list_snapshots(
     responses={404: {"model": ErrorBody}},
 )
 async def get_snapshot(snapshot_id: str, orchestrator: OrchestratorDep) -> SnapshotInfo:
-    return SnapshotInfo.of(await orchestrator.get_snapshot(snapshot_id))
+    return SnapshotInfo.of(await orchestrator.templates.get_snapshot(snapshot_id))
 
 
 def _snapshot_key(t: TemplateRecord) -> tuple[datetime, str]:
@@ -174,7 +174,7 @@ async def fork_sandbox(
 ) -> list[ForkResultBody]:
     body = body or ForkRequest()
     timings = Timings()
-    results = await orchestrator.fork(sandbox_id, body.count, body.timeout, timings=timings)
+    results = await orchestrator.forker.fork(sandbox_id, body.count, body.timeout, timings=timings)
     add_timing(response, timings)
     out = []
     for r in results:
@@ -216,7 +216,7 @@ def _pending_info(b: BuildRecord) -> TemplateInfo:
 
 @router.get("/templates", summary="List templates")
 async def list_templates(orchestrator: OrchestratorDep, builder: BuilderDep) -> list[TemplateInfo]:
-    templates = await orchestrator.templates()
+    templates = await orchestrator.templates.all()
     by_template = await asyncio.to_thread(builder.by_template)
     out = []
     for t in templates:
@@ -256,7 +256,7 @@ def _template_key(t: TemplateInfo) -> tuple[datetime, str]:
 async def template_alias(
     alias: str, orchestrator: OrchestratorDep, builder: BuilderDep
 ) -> dict[str, Any]:
-    found = await orchestrator.find_template(alias)
+    found = await orchestrator.templates.find(alias)
     if found is not None and not found.internal:
         return {"templateID": owner_of(found), "public": False}
     for b in await asyncio.to_thread(builder.pending_templates):
@@ -269,7 +269,7 @@ async def template_alias(
 async def get_template(
     template_id: str, orchestrator: OrchestratorDep, builder: BuilderDep
 ) -> dict[str, Any]:
-    found = await orchestrator.find_template(template_id)
+    found = await orchestrator.templates.find(template_id)
     if found is not None and not found.internal:
         builds = await asyncio.to_thread(builder.builds, found.template_id)
         info = _with_builds(TemplateInfo.of(found), builds)
@@ -300,12 +300,12 @@ class TemplateUpdate(_Request):
 async def update_template(
     template_id: str, body: TemplateUpdate, orchestrator: OrchestratorDep
 ) -> dict[str, Any]:
-    found = await orchestrator.find_template(template_id)
+    found = await orchestrator.templates.find(template_id)
     if found is None or found.internal:
         raise NotFound(f"template {template_id!r} not found")
     rec = found
     if "standby_after" in body.model_fields_set:
-        rec = await orchestrator.set_template_standby(found.template_id, body.standby_after)
+        rec = await orchestrator.templates.set_standby(found.template_id, body.standby_after)
     return {"templateID": owner_of(rec), "standbyAfter": rec.standby_after}
 
 
@@ -318,7 +318,7 @@ async def update_template(
 async def delete_template(
     template_id: str, orchestrator: OrchestratorDep, builder: BuilderDep
 ) -> Response:
-    found = await orchestrator.find_template(template_id)
+    found = await orchestrator.templates.find(template_id)
     if found is not None:
         template_id = owner_of(found)  # `name:tag`: the whole template
         await builder.tags.forget(template_id)

@@ -65,22 +65,22 @@ class MetadataPatch(_Request):
 
 @router.post("/volumes", status_code=201, summary="Create a volume")
 async def create_volume(body: NewVolume, orchestrator: OrchestratorDep) -> VolumeAndToken:
-    return VolumeAndToken.of(await orchestrator.create_volume(body.name))
+    return VolumeAndToken.of(await orchestrator.volumes.create(body.name))
 
 
 @router.get("/volumes", summary="List volumes")
 async def list_volumes(orchestrator: OrchestratorDep) -> list[VolumeInfo]:
-    return [VolumeInfo.of(v) for v in await orchestrator.volumes()]
+    return [VolumeInfo.of(v) for v in await orchestrator.volumes.all()]
 
 
 @router.get("/volumes/{volume_id}", summary="Get a volume and its token")
 async def get_volume(volume_id: str, orchestrator: OrchestratorDep) -> VolumeAndToken:
-    return VolumeAndToken.of(await orchestrator.volume(volume_id))
+    return VolumeAndToken.of(await orchestrator.volumes.get(volume_id))
 
 
 @router.delete("/volumes/{volume_id}", status_code=204, summary="Delete a volume")
 async def delete_volume(volume_id: str, orchestrator: OrchestratorDep) -> Response:
-    await orchestrator.delete_volume(volume_id)
+    await orchestrator.volumes.delete(volume_id)
     return Response(status_code=204)
 
 
@@ -97,7 +97,7 @@ async def volume_files(volume_id: str, request: Request) -> VolumeFiles:
             tokens.append(token.strip())
     if len(tokens) != 1:
         raise Unauthorized("send the volume's token once, as Authorization: Bearer TOKEN")
-    return await get_orchestrator(request).volume_files(volume_id, tokens[0])
+    return await get_orchestrator(request).volumes.files(volume_id, tokens[0])
 
 
 Files = Annotated[VolumeFiles, Depends(volume_files)]
