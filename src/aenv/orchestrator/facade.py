@@ -141,7 +141,6 @@ class Orchestrator:
         self.pauser = pauser = Pauser(ctx, table, booter, runtime, templates, stats, logs)
         # Made after the Pauser it uses: the parts made before it reach it through `ctx`.
         self.idle = idle = IdleTracker(ctx, table, runtime, pauser)
-        table.room_maker = idle.make_room
         pool = WarmPool(ctx, table, booter, templates, boot, idle)
         self.sandboxes = sandboxes = Sandboxes(
             ctx, table, booter, templates, pool, boot, runtime, storage, store, logs, stats

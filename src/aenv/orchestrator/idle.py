@@ -71,7 +71,10 @@ class IdleTracker:
         self.pauser = pauser
         self._state: dict[str, _Idle] = {}
         self._disk_moves = asyncio.Semaphore(DISK_MOVES)
+        # The parts made before it reach it through `ctx`; the table asks it for room
+        # (sandboxes put into standby) when a create finds the memory budget full.
         ctx.track_idle(self)
+        table.room_maker = self.make_room
 
     @property
     def nap_after(self) -> float:
