@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 import httpx
 import uvicorn
 
+from aenv.cluster.state import ClusterState
+
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 
@@ -228,3 +230,10 @@ def redis_server(workdir: Path) -> Iterator[RedisServer]:
         yield srv
     finally:
         srv.stop()
+
+
+async def heard_ago(state: ClusterState, node_id: str, seconds: float) -> None:
+    """Backdates when Redis took node `node_id`'s last heartbeat, by Redis's clock: as if the
+    node had stopped heartbeating `seconds` ago."""
+    secs, micros = await state.redis.time()
+    await state.redis.hset(f"{state.ns}:seen", node_id, str(secs + micros / 1e6 - seconds))

@@ -23,7 +23,7 @@ from aenv.config import Settings
 from aenv.errors import Unavailable
 from aenv.nodenet import node_network
 from aenv.runtime.net.network import SlotAddressing
-from tests.helpers import RedisServer, redis_server
+from tests.helpers import RedisServer, heard_ago, redis_server
 
 # ----------------------------------------------------------------------------- node network
 
@@ -99,7 +99,6 @@ def test_merged_listing_lists_a_shared_template_once() -> None:
 
 
 def _node(nid: str, free_mb: int, **kw: Any) -> NodeRecord:
-    kw.setdefault("heartbeat_at", time.time() - 1)
     return NodeRecord(node_id=nid, url=f"http://{nid}", memory_budget_mb=free_mb, cpu_count=8, **kw)
 
 
@@ -159,10 +158,32 @@ async def test_heartbeats_register_nodes_and_bind_their_sandboxes(redis: RedisSe
         entry = await st.roster_entry("n1", "s2")
         assert entry is not None and entry.movable
         # a node that stops heartbeating turns unhealthy
-        stale = _node("n2", 1024, heartbeat_at=time.time() - 30)
-        await st.heartbeat(stale, {}, None)
+        await st.heartbeat(_node("n2", 1024), {}, None)
+        await heard_ago(st, "n2", 30)
         health = {n.node_id: n.healthy for n in await st.nodes(dead_after=10)}
         assert health == {"n1": True, "n2": False}
+
+
+async def test_health_does_not_need_the_nodes_clock_to_agree(redis: RedisServer) -> None:
+    """Liveness is when Redis took the heartbeat, by Redis's clock: a node whose clock is
+    ten minutes slow (or fast) is healthy while it heartbeats."""
+    async with cluster_state(redis) as st:
+        for nid, skew in (("slow", -600.0), ("fast", 600.0)):
+            own = time.time() + skew
+            await st.heartbeat(_node(nid, 1024, heartbeat_at=own, started_at=own), {}, None)
+        nodes = {n.node_id: n for n in await st.nodes(dead_after=6)}
+        assert {nid: n.healthy for nid, n in nodes.items()} == {"fast": True, "slow": True}
+        assert all(n.seen_ago < 6 for n in nodes.values())
+
+
+def test_a_newer_heartbeat_takes_in_the_creates_placed_before_it() -> None:
+    s = LeastLoaded()
+    a, b = _node("a", 4096, seen_at=100.0), _node("b", 3072, seen_at=100.0)
+    # a has more room, so it takes the first two; then they count against it until ...
+    assert [s.place(Placement("base", 1, 1024), [a, b]).node_id for _ in range(2)] == ["a", "b"]
+    # ... a heartbeat newer than those placements reports a's figures with them included.
+    a2 = _node("a", 4096, seen_at=101.0, allocated_memory_mb=1024)
+    assert s.place(Placement("base", 1, 1024), [a2, b]).node_id == "a"
 
 
 async def test_a_binding_that_moved_is_not_removed_by_the_old_node(redis: RedisServer) -> None:

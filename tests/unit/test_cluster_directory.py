@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
+import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -18,20 +18,25 @@ from aenv.cluster.scheduler import LeastLoaded
 from aenv.cluster.state import ClusterState
 from aenv.config import Settings
 from aenv.errors import NotFound, Unavailable
-from tests.helpers import RedisServer, redis_server
+from tests.helpers import RedisServer, heard_ago, redis_server
 
 DEAD = 60.0  # seconds without a heartbeat before a node counts as lost
 
 
-def node(node_id: str, *, lost: bool = False, status: str = "ready") -> NodeRecord:
+def node(node_id: str, *, status: str = "ready") -> NodeRecord:
     return NodeRecord(
         node_id=node_id,
         url=f"http://{node_id}.test",
         status="draining" if status == "draining" else "ready",
-        heartbeat_at=time.time() - (DEAD * 2 if lost else 1),
         cpu_count=8,
         memory_budget_mb=8192,
     )
+
+
+async def lost(state: ClusterState, node_id: str, roster: dict[str, RosterEntry]) -> None:
+    """Node `node_id` heartbeat with `roster` once, long ago: it counts as lost."""
+    await state.heartbeat(node(node_id), roster, None)
+    await heard_ago(state, node_id, DEAD * 2)
 
 
 class Moves:
@@ -94,7 +99,7 @@ async def test_a_hibernated_sandbox_moves_off_a_lost_node(
 ) -> None:
     async with directory(redis, tmp_path) as (state, d):
         entry = RosterEntry(state="paused", tier="hibernated", image="img-s1", template_id="base")
-        await state.heartbeat(node("a", lost=True), {"s1": entry}, None)
+        await lost(state, "a", {"s1": entry})
         await state.heartbeat(node("b"), {}, None)
         moves = Moves()
         target = await d.usable("s1", moves.release, moves.adopt, resume=True)
@@ -108,19 +113,21 @@ async def test_a_running_sandbox_on_a_lost_node_is_a_clear_502(
     redis: RedisServer, tmp_path: Path
 ) -> None:
     async with directory(redis, tmp_path) as (state, d):
-        await state.heartbeat(node("a", lost=True), {"s1": RosterEntry(state="running")}, None)
+        await lost(state, "a", {"s1": RosterEntry(state="running")})
         await state.heartbeat(node("b"), {}, None)
         moves = Moves()
-        with pytest.raises(NodeLost) as lost:
+        with pytest.raises(NodeLost) as err:
             await d.usable("s1", moves.release, moves.adopt, resume=False)
-        assert lost.value.status == 502 and lost.value.to_json()["sandboxId"] == "s1"
-        assert "unreachable" in str(lost.value) and moves.adopted == []
+        assert err.value.status == 502 and err.value.to_json()["sandboxId"] == "s1"
+        assert "unreachable" in str(err.value) and moves.adopted == []
+        ago = re.search(r"no heartbeat for (\d+) s", str(err.value))
+        assert ago is not None and int(ago.group(1)) >= DEAD * 2
 
 
 async def test_nowhere_to_move_is_503(redis: RedisServer, tmp_path: Path) -> None:
     async with directory(redis, tmp_path) as (state, d):
         entry = RosterEntry(state="paused", image="img-s1")
-        await state.heartbeat(node("a", lost=True), {"s1": entry}, None)
+        await lost(state, "a", {"s1": entry})
         await state.heartbeat(node("b", status="draining"), {}, None)  # not schedulable
         moves = Moves()
         with pytest.raises(Unavailable, match="no other node"):
@@ -171,7 +178,7 @@ async def test_a_failed_adopt_gives_the_sandbox_back_to_its_draining_node(
 async def test_concurrent_requests_move_a_sandbox_once(redis: RedisServer, tmp_path: Path) -> None:
     async with directory(redis, tmp_path) as (state, d):
         entry = RosterEntry(state="paused", image="img-s1")
-        await state.heartbeat(node("a", lost=True), {"s1": entry}, None)
+        await lost(state, "a", {"s1": entry})
         await state.heartbeat(node("b"), {}, None)
         moves = Moves()
         moves.adopt_delay = 0.1

@@ -33,7 +33,7 @@ class NodeLost(BadGateway):
     """A sandbox's node does not answer: E2B's edge status for a sandbox it cannot reach."""
 
     def __init__(self, sandbox_id: str, node: NodeRecord) -> None:
-        ago = int(time.time() - node.heartbeat_at)
+        ago = int(node.seen_ago)
         super().__init__(
             f"sandbox {sandbox_id!r} is on node {node.node_id!r}, which is unreachable "
             f"(no heartbeat for {ago} s)"

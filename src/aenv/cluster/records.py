@@ -26,7 +26,8 @@ class RosterEntry(BaseModel):
 
 
 class NodeRecord(BaseModel):
-    """A node's registration, rewritten with every heartbeat."""
+    """A node's registration, rewritten with every heartbeat (`heartbeat_at` and
+    `started_at` are the node's own clock's: shown, never compared with another's)."""
 
     node_id: str
     url: str
@@ -44,7 +45,11 @@ class NodeRecord(BaseModel):
     # Templates/snapshots whose layers (and image, if any) this node holds locally: the
     # scheduler prefers such a node for creates from them.
     templates: list[str] = Field(default_factory=list)
-    # Filled in by the reader, never stored: whether the heartbeat is recent enough.
+    # Filled in by the reader, never stored: when Redis took the last heartbeat and how
+    # long ago that is, both by Redis's clock (so no two hosts' clocks need to agree), and
+    # whether that is recent enough.
+    seen_at: float = 0.0
+    seen_ago: float = 0.0
     healthy: bool = True
 
     @property

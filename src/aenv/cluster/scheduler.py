@@ -6,7 +6,6 @@ policy plugs in with AENV_SCHEDULER=module:attribute (a class taking no argument
 from __future__ import annotations
 
 import importlib
-import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,7 +42,8 @@ class LeastLoaded:
             raise Unavailable("no node is ready to take sandboxes")
 
         def room(n: NodeRecord) -> tuple[int, int]:
-            pending = [p for p in self._recent.get(n.node_id, []) if p[0] > n.heartbeat_at]
+            # Stamped with the heartbeat they were placed after: one newer counts them.
+            pending = [p for p in self._recent.get(n.node_id, []) if p[0] >= n.seen_at]
             self._recent[n.node_id] = pending
             mem = n.free_memory_mb - sum(p[1] for p in pending)
             cpu = n.free_cpu - sum(p[2] for p in pending)
@@ -59,7 +59,7 @@ class LeastLoaded:
             if rooms[near.node_id][0] * LOCALITY_FACTOR >= rooms[best.node_id][0]:
                 best = near
         self._recent.setdefault(best.node_id, []).append(
-            (time.time(), request.memory_mb, request.cpu_count)
+            (best.seen_at, request.memory_mb, request.cpu_count)
         )
         return best
 

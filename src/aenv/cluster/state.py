@@ -14,7 +14,6 @@ empty), so a restarted Redis holds every binding again within one heartbeat."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 
 import redis.asyncio as aioredis
@@ -38,6 +37,17 @@ return 0
 """
 
 
+# Stamps a node's heartbeat with Redis's own clock (a script may read TIME since Redis 5:
+# its effects, not the script, are replicated).
+_SEEN_NOW = """
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], ARGV[1], t[1] .. '.' .. string.format('%06d', tonumber(t[2])))
+return 0
+"""
+# Fields of a registration only the reader fills in.
+_READER_FIELDS = {"healthy", "seen_at", "seen_ago"}
+
+
 def _text(v: bytes | str | None) -> str | None:
     # decode_responses=True: always str at run time; the client's types say bytes too.
     return v.decode() if isinstance(v, bytes) else v
@@ -57,6 +67,7 @@ class ClusterState:
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
         )
+        self._seen_now = self.redis.register_script(_SEEN_NOW)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -79,9 +90,10 @@ class ClusterState:
         ids = set(roster)
         fresh = ids if previous is None or not known else ids - previous
         gone = set() if previous is None else previous - ids
-        doc = node.model_dump_json(exclude={"healthy"})
+        doc = node.model_dump_json(exclude=_READER_FIELDS)
         async with self.redis.pipeline(transaction=True) as p:
             p.hset(self._k("nodes"), nid, doc)
+            await self._seen_now(keys=[self._k("seen")], args=[nid], client=p)
             p.delete(self._k("roster", nid))
             if roster:
                 p.hset(
@@ -96,13 +108,20 @@ class ClusterState:
         return ids
 
     async def nodes(self, dead_after: float) -> list[NodeRecord]:
-        """Every registered node, `healthy` set from its last heartbeat."""
-        raw = await self.redis.hgetall(self._k("nodes"))
-        now = time.time()
+        """Every registered node, `healthy` when Redis took its last heartbeat at most
+        `dead_after` seconds ago (by Redis's clock: the node's and ours may be off)."""
+        async with self.redis.pipeline(transaction=False) as p:
+            p.hgetall(self._k("nodes"))
+            p.hgetall(self._k("seen"))
+            p.time()
+            raw, seen, (secs, micros) = await p.execute()
+        now = secs + micros / 1e6
         out = []
-        for doc in raw.values():
+        for nid, doc in raw.items():
             n = NodeRecord.model_validate_json(doc)
-            n.healthy = now - n.heartbeat_at <= dead_after
+            n.seen_at = float(seen.get(nid, 0.0))
+            n.seen_ago = max(0.0, now - n.seen_at)
+            n.healthy = n.seen_ago <= dead_after
             out.append(n)
         out.sort(key=lambda n: n.node_id)
         return out
@@ -114,11 +133,12 @@ class ClusterState:
             return
         n = NodeRecord.model_validate_json(doc)
         n.status = "draining" if status == "draining" else "ready"
-        await self.redis.hset(self._k("nodes"), node_id, n.model_dump_json(exclude={"healthy"}))
+        await self.redis.hset(self._k("nodes"), node_id, n.model_dump_json(exclude=_READER_FIELDS))
 
     async def forget_node(self, node_id: str) -> None:
         async with self.redis.pipeline(transaction=True) as p:
             p.hdel(self._k("nodes"), node_id)
+            p.hdel(self._k("seen"), node_id)
             p.delete(self._k("roster", node_id))
             await p.execute()
 
