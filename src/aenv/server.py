@@ -19,8 +19,10 @@ from .api.app import create_app
 from .builds.builder import Builder
 from .cluster.agent import NodeAgent
 from .cluster.directory import Directory, Discover
+from .cluster.endpoints import EndpointWatch
 from .cluster.forward import NodeClient
-from .cluster.gateway import Gateway, create_gateway_app, kubernetes_discovery
+from .cluster.gateway import Gateway, create_gateway_app
+from .cluster.k8s import KubernetesDiscovery
 from .cluster.scheduler import load_scheduler
 from .cluster.state import ClusterState
 from .config import Settings
@@ -123,13 +125,17 @@ def gateway_app(settings: Settings) -> ASGIApp:
         raise AenvError("aenv gateway needs AENV_REDIS_URL (the cluster's Redis)")
     state = ClusterState(settings.redis_url)
     scheduler = load_scheduler(settings.scheduler)
+    parts: list[Part] = []
     discover: Discover | None = None
     if settings.discovery == "kubernetes":
-        discover = kubernetes_discovery(settings)
+        k8s = KubernetesDiscovery(settings.kubernetes_service, settings.kubernetes_namespace)
+        watch = EndpointWatch(k8s)
+        parts.append(watch)
+        discover = watch.ready
     directory = Directory(settings, state, scheduler, discover)
     nodes = NodeClient()
     gateway = Gateway(settings, state, directory, nodes, scheduler)
-    lifespan = lifespan_of(_Closing(nodes.aclose), _Closing(state.close))
+    lifespan = lifespan_of(*parts, _Closing(nodes.aclose), _Closing(state.close))
     return create_gateway_app(settings, gateway, directory, lifespan)
 
 

@@ -4,6 +4,7 @@ for the API server (HTTPS on loopback with a test CA, like the in-cluster API)."
 from __future__ import annotations
 
 import json
+import queue
 import ssl
 import threading
 from collections.abc import Iterator
@@ -16,12 +17,14 @@ from urllib.parse import parse_qs, urlsplit
 import kubernetes_validate
 import pytest
 
+from aenv.cluster.endpoints import EndpointWatch
 from aenv.cluster.k8s import (
     DiscoveredNode,
     KubernetesDiscovery,
     KubernetesDiscoveryError,
     endpoints_from_slices,
 )
+from tests.helpers import async_wait_until
 from tests.tls import make_certs
 
 K8S_VERSION = "1.30"
@@ -175,6 +178,13 @@ class FakeApi:
     status: int = 200
     requests: list[tuple[str, dict[str, list[str]], str | None]] = field(default_factory=list)
     url: str = ""
+    # What each watch request streams, in turn: its events, then the connection closes;
+    # with none left, a watch stays open (sending nothing) until the test ends.
+    watches: queue.Queue[list[dict[str, Any]]] = field(default_factory=queue.Queue)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def watch_requests(self) -> list[dict[str, list[str]]]:
+        return [q for _p, q, _a in list(self.requests) if q.get("watch") == ["1"]]
 
 
 @pytest.fixture
@@ -187,6 +197,9 @@ def fake_api(tmp_path: Path) -> Iterator[tuple[FakeApi, Path]]:
             parts = urlsplit(self.path)
             query = parse_qs(parts.query)
             api.requests.append((parts.path, query, self.headers.get("Authorization")))
+            if query.get("watch") == ["1"] and api.status == 200:
+                self.stream_watch()
+                return
             if api.status != 200:
                 body: dict[str, Any] = {
                     "kind": "Status",
@@ -204,6 +217,19 @@ def fake_api(tmp_path: Path) -> Iterator[tuple[FakeApi, Path]]:
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+
+        def stream_watch(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()  # no length: the stream ends when the connection closes
+            try:
+                events = api.watches.get_nowait()
+            except queue.Empty:
+                api.done.wait(30)
+                return
+            for event in events:
+                self.wfile.write(json.dumps(event).encode() + b"\n")
+                self.wfile.flush()
 
         def log_message(self, format: str, *args: Any) -> None:
             pass
@@ -224,6 +250,7 @@ def fake_api(tmp_path: Path) -> Iterator[tuple[FakeApi, Path]]:
     try:
         yield api, sa
     finally:
+        api.done.set()
         server.shutdown()
         server.server_close()
 
@@ -337,3 +364,63 @@ async def test_from_env_reads_service_and_namespace_settings(tmp_path: Path) -> 
         assert (disco.service, disco.namespace) == ("aenv-node", "aenv")
     finally:
         await disco.aclose()
+
+
+# --- the watch that keeps the gateway's list current -------------------------------------
+
+
+def _event(kind: str, obj: dict[str, Any], version: str) -> dict[str, Any]:
+    return {
+        "type": kind,
+        "object": {**obj, "metadata": {**obj["metadata"], "resourceVersion": version}},
+    }
+
+
+async def _ready(watch: EndpointWatch, want: set[str] | None) -> None:
+    await async_wait_until(lambda: watch.ready() == want, 10, 0.01, f"ready == {want}")
+
+
+async def test_the_watch_follows_what_the_api_pushes(fake_api: tuple[FakeApi, Path]) -> None:
+    api, sa = fake_api
+    a = _slice("a", [_ep("10.0.0.5", "w1", ready=True)])
+    api.pages = {"": _list(a)}
+    b = _slice("b", [_ep("10.0.0.6", "w2", ready=True)])
+    api.watches.put([_event("ADDED", b, "43"), _event("BOOKMARK", {"metadata": {}}, "44")])
+    api.watches.put([_event("DELETED", a, "45")])
+    watch = EndpointWatch(KubernetesDiscovery(api_url=api.url, serviceaccount_dir=sa))
+    assert watch.ready() is None  # nothing listed yet: no filter
+    await watch.start()
+    try:
+        await _ready(watch, {"http://10.0.0.6:8000", "w2"})
+        await async_wait_until(lambda: len(api.watch_requests()) == 3, 10, 0.01, "a third watch")
+    finally:
+        await watch.close()
+    # One list; each watch goes on from the last version it saw (the bookmark's too).
+    lists = [q for _p, q, _a in api.requests if "watch" not in q]
+    assert len(lists) == 1
+    assert [q["resourceVersion"] for q in api.watch_requests()] == [["42"], ["44"], ["45"]]
+
+
+async def test_the_last_list_holds_while_the_api_fails(fake_api: tuple[FakeApi, Path]) -> None:
+    api, sa = fake_api
+    api.pages = {"": _list(_slice("a", [_ep("10.0.0.5", "w1", ready=True)]))}
+    gone = {"code": 410, "message": "too old resource version", "reason": "Expired"}
+    api.watches.put([{"type": "ERROR", "object": gone}])
+    k8s = KubernetesDiscovery(api_url=api.url, serviceaccount_dir=sa)
+    watch = EndpointWatch(k8s, retry_seconds=0.01)
+    await watch.start()
+    try:
+        await _ready(watch, {"http://10.0.0.5:8000", "w1"})
+        # The expired watch made it list again; then the API server fails every request.
+        await async_wait_until(
+            lambda: sum("watch" not in q for _p, q, _a in api.requests) >= 2, 10, 0.01, "a relist"
+        )
+        failing_from = len(api.requests)
+        api.status = 503
+        api.done.set()  # the open watch ends; every request from now on fails
+        await async_wait_until(
+            lambda: len(api.requests) >= failing_from + 3, 10, 0.01, "three failed attempts"
+        )
+        assert watch.ready() == {"http://10.0.0.5:8000", "w1"}
+    finally:
+        await watch.close()

@@ -25,8 +25,9 @@ BINDING_FRESH_SECONDS = 5.0
 Release = Callable[[NodeRecord, str], Awaitable[str | None]]
 # (node, sandbox id, image): the node adopts the sandbox.
 Adopt = Callable[[NodeRecord, str, str], Awaitable[None]]
-# The URLs and names of the nodes Kubernetes lists as ready (None: not configured).
-Discover = Callable[[], Awaitable[set[str]]]
+# The URLs and names of the nodes Kubernetes lists as ready (None: no list yet, or no
+# discovery configured); read on the request path, so it must answer from memory.
+Discover = Callable[[], set[str] | None]
 
 
 class NodeLost(BadGateway):
@@ -68,8 +69,8 @@ class Directory:
             async with self._refresh:
                 if fresh or time.monotonic() - self._nodes_at > NODES_FRESH_SECONDS:
                     nodes = await self.state.nodes(self.settings.node_dead_after)
-                    if self.discover is not None:
-                        ready = await self.discover()
+                    ready = None if self.discover is None else self.discover()
+                    if ready is not None:
                         for n in nodes:
                             n.healthy = n.healthy and (n.url in ready or n.node_id in ready)
                     self._nodes, self._nodes_at = nodes, time.monotonic()

@@ -31,9 +31,8 @@ from ..proxy.dispatch import Route as SandboxRoute
 from ..proxy.dispatch import SandboxRouter
 from ..serving import Lifespan
 from .aggregate import merge_pages, node_view
-from .directory import Directory, Discover
+from .directory import Directory
 from .forward import NodeClient, NodeError
-from .k8s import KubernetesDiscovery
 from .records import NodeRecord
 from .scheduler import Placement, Scheduler
 from .state import ClusterState
@@ -357,18 +356,6 @@ def _plain(resp: Any) -> Response:
         not in ("content-length", "transfer-encoding", "connection", "content-encoding")
     }
     return Response(resp.content, status_code=resp.status_code, headers=headers)
-
-
-def kubernetes_discovery(settings: Settings) -> Discover:
-    """Node URLs (and names) of the ready endpoints of the nodes' headless Service."""
-    k8s = KubernetesDiscovery(settings.kubernetes_service, settings.kubernetes_namespace)
-
-    async def discover_urls() -> set[str]:
-        # A registration matches its endpoint by URL or by node name (= node id).
-        ready = [n for n in await k8s.nodes() if n.ready]
-        return {n.url for n in ready} | {n.node_name for n in ready if n.node_name}
-
-    return discover_urls
 
 
 def create_gateway_app(

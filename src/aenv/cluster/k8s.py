@@ -9,16 +9,18 @@ the Kubernetes node name (`spec.nodeName`), which the endpoint carries as `nodeN
 two views join on it.
 
 `endpoints_from_slices` is the pure part (the list document to `DiscoveredNode`s);
-`KubernetesDiscovery` fetches the document from the in-cluster API.
+`KubernetesDiscovery` lists the slices from the in-cluster API and watches them from the
+list's version (`endpoints.EndpointWatch` keeps the gateway's set current with both).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import os
 import ssl
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
@@ -33,6 +35,8 @@ DEFAULT_SERVICE = "aenv-node"
 # The label the EndpointSlice controller puts on every slice of a Service.
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 _API_PATH = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+# How long one watch runs before the server ends it (and the watcher starts the next).
+WATCH_SECONDS = 300
 
 
 class KubernetesDiscoveryError(AenvError):
@@ -139,6 +143,26 @@ def endpoints_from_slices(doc: dict[str, Any], port_name: str | None) -> list[Di
     return [found[url] for url in sorted(found)]
 
 
+class WatchExpired(KubernetesDiscoveryError):
+    """The version to watch from is gone from the API's history (410): list again."""
+
+
+def _event(line: str) -> tuple[str, dict[str, Any]] | None:
+    """One watch event line: (type, object); None for what is not one."""
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("object"), dict):
+        return None
+    kind, obj = str(doc.get("type")), doc["object"]
+    if kind == "ERROR":
+        if obj.get("code") == 410:
+            raise WatchExpired(f"the watch's version is gone: {obj.get('message', '')}")
+        raise KubernetesDiscoveryError(f"the watch failed: {obj.get('message', obj)}")
+    return kind, obj
+
+
 def _read(path: Path) -> str | None:
     try:
         return path.read_text().strip() or None
@@ -230,27 +254,71 @@ class KubernetesDiscovery:
 
     async def nodes(self) -> list[DiscoveredNode]:
         """Every endpoint of the Service, ready or not, following the list's pages."""
-        path = _API_PATH.format(namespace=self.namespace)
+        items, _version = await self.slices()
+        return endpoints_from_slices({"items": items}, self.port_name)
+
+    async def slices(self) -> tuple[list[Any], str]:
+        """The Service's EndpointSlices and the list's resourceVersion (to watch from)."""
         items: list[Any] = []
         cont: str | None = None
         while True:
-            params = {
-                "labelSelector": f"{SERVICE_NAME_LABEL}={self.service}",
-                "limit": str(self.page_size),
-            }
+            params = {"labelSelector": self._selector, "limit": str(self.page_size)}
             if cont:
                 params["continue"] = cont
-            token = await asyncio.to_thread(_read, self.token_file)
-            if token is None:
-                raise KubernetesDiscoveryError(f"service-account token {self.token_file} is gone")
-            doc = await self._get(path, params, token)
+            doc = await self._get(self._path, params, await self._token())
             page = doc.get("items")
             if isinstance(page, list):
                 items.extend(page)
             meta = doc.get("metadata")
-            cont = meta.get("continue") if isinstance(meta, dict) else None
+            meta = meta if isinstance(meta, dict) else {}
+            cont = meta.get("continue")
             if not cont:
-                return endpoints_from_slices({"items": items}, self.port_name)
+                return items, str(meta.get("resourceVersion") or "")
+
+    async def watch(self, resource_version: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """The changes to the Service's EndpointSlices after `resource_version`, as the API
+        pushes them: (ADDED | MODIFIED | DELETED | BOOKMARK, slice). Ends when the server
+        ends the watch (it does every few minutes); `WatchExpired` when the version is too
+        old to watch from (list again)."""
+        params = {
+            "labelSelector": self._selector,
+            "watch": "1",
+            "allowWatchBookmarks": "true",
+            "resourceVersion": resource_version,
+            "timeoutSeconds": str(WATCH_SECONDS),
+        }
+        headers = {"Authorization": f"Bearer {await self._token()}"}
+        where = f"Kubernetes API {self.api_url}"
+        timeout = httpx.Timeout(self._http.timeout.connect, read=WATCH_SECONDS + 30)
+        try:
+            async with self._http.stream(
+                "GET", self._path, params=params, headers=headers, timeout=timeout
+            ) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    raise KubernetesDiscoveryError(
+                        f"{where}: watching EndpointSlices answered {resp.status_code}"
+                    )
+                async for line in resp.aiter_lines():
+                    event = _event(line)
+                    if event is not None:
+                        yield event
+        except httpx.HTTPError as exc:
+            raise KubernetesDiscoveryError(f"{where}: {type(exc).__name__}: {exc}") from exc
+
+    @property
+    def _path(self) -> str:
+        return _API_PATH.format(namespace=self.namespace)
+
+    @property
+    def _selector(self) -> str:
+        return f"{SERVICE_NAME_LABEL}={self.service}"
+
+    async def _token(self) -> str:
+        token = await asyncio.to_thread(_read, self.token_file)
+        if token is None:
+            raise KubernetesDiscoveryError(f"service-account token {self.token_file} is gone")
+        return token
 
     async def _get(self, path: str, params: dict[str, str], token: str) -> dict[str, Any]:
         where = f"Kubernetes API {self.api_url}"
