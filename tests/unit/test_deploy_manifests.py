@@ -327,6 +327,26 @@ def test_redis_url_points_at_the_redis_service_with_its_password(
         assert url.password == "$(REDIS_PASSWORD)"
 
 
+def test_each_role_gets_only_the_secrets_it_uses(objects: list[dict[str, Any]]) -> None:
+    secret = set(_one(objects, "Secret", "aenv-secrets")["stringData"])
+    uses = {
+        ("DaemonSet", "aenv-node", "node"): secret,
+        ("Deployment", "aenv-gateway", "gateway"): {"AENV_API_KEY", "REDIS_PASSWORD"},
+    }
+    for (kind, name, container_name), wanted in uses.items():
+        spec = _one(objects, kind, name)["spec"]["template"]["spec"]
+        container = next(c for c in spec["containers"] if c["name"] == container_name)
+        got = {
+            e["valueFrom"]["secretKeyRef"]["key"]
+            for e in container.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})
+        }
+        for src in container.get("envFrom", []):
+            if "secretRef" in src:
+                got |= set(_one(objects, "Secret", src["secretRef"]["name"])["stringData"])
+        assert got == wanted, f"{name} gets {sorted(got)}"
+
+
 def test_gateway_may_list_and_watch_endpointslices_and_nothing_more(
     objects: list[dict[str, Any]],
 ) -> None:
@@ -405,7 +425,7 @@ def test_compose_nodes_are_privileged_with_their_own_identity_and_data(
     assert not any(a.overlaps(b) for i, a in enumerate(nets) for b in nets[i + 1 :])
 
 
-def test_compose_settings_reach_redis_and_s3_and_are_read_by_the_code(
+def test_compose_settings_reach_redis_and_s3_where_used_and_are_read_by_the_code(
     compose: dict[str, Any],
 ) -> None:
     services = compose["services"]
@@ -415,6 +435,10 @@ def test_compose_settings_reach_redis_and_s3_and_are_read_by_the_code(
         env = {k: _expand(str(v)) for k, v in s["environment"].items()}
         assert set(env) <= KNOWN_ENV, name
         assert urlsplit(env["AENV_REDIS_URL"]).hostname == "redis"
+        if name.startswith("gateway"):
+            # A gateway never touches the repository: it gets none of its credentials.
+            assert not {k for k in env if k.startswith(("AWS_", "AENV_S3_"))}, name
+            continue
         assert urlsplit(env["AENV_S3_ENDPOINT"]).hostname == "s3"
         bucket = urlsplit(env["AENV_SNAPSHOT_REPO"]).hostname
         assert f"http://s3:5000/{bucket}'" in _runs(services["bucket"])
