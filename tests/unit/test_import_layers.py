@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "serving",
         "config",
         "envd_wire",
+        "envd_client",
         "domain",
         "egress",
         "nodenet",

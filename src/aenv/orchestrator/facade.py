@@ -38,7 +38,6 @@ import httpx
 from ..config import Settings
 from ..domain import (
     DEFAULT_TEMPLATE,
-    ENVD_PORT,
     LIVE_STATES,
     BuildInfo,
     CreateRequest,
@@ -51,6 +50,7 @@ from ..domain import (
     Upstream,
 )
 from ..envd.files import file_signature
+from ..envd_client import EnvdClient
 from ..errors import AenvError, BadRequest, Conflict
 from ..images.cache import holder
 from ..images.pull import PulledImage, pull
@@ -62,7 +62,7 @@ from .bootsnaps import BootSnapshots
 from .catalog import Catalog
 from .context import Clock, NodeContext, check_timeout
 from .durable import Durable
-from .envd_client import EnvdClient, EnvdRpc
+from .envd_pool import EnvdPool
 from .fork import Forker, ForkResult
 from .idle import IdleTracker
 from .liveness import Liveness
@@ -101,7 +101,7 @@ class Orchestrator:
         storage: SandboxStorage,
         bundle: EnvdBundle,
         durable: Durable | None = None,
-        envd: EnvdClient | None = None,
+        envd: EnvdPool | None = None,
         clock: Clock | None = None,
     ) -> None:
         self.settings = settings
@@ -109,7 +109,7 @@ class Orchestrator:
         self._ctx = ctx
         self._storage = storage
         self._bundle = bundle
-        envd = envd or EnvdClient()
+        envd = envd or EnvdPool()
         self._envd = envd
         base = settings.max_memory_mb or int(_host_memory_mb() * 0.9)
         budget = int(base * settings.memory_overcommit)
@@ -215,11 +215,11 @@ class Orchestrator:
     async def export_layers(self, sandbox_id: str) -> builtins.list[str]:
         return await self._sandboxes.export_layers(sandbox_id)
 
-    def envd(self, r: SandboxRecord) -> EnvdRpc:
+    def envd(self, r: SandboxRecord) -> EnvdClient:
         """Process and file calls to a running sandbox's envd, with its access token."""
         if r.address is None:
             raise BadRequest(f"sandbox {r.sandbox_id!r} is not running")
-        return self._envd.rpc(r.address, ENVD_PORT, r.envd_access_token)
+        return self._envd.at(r.address, r.envd_access_token)
 
     def in_sandbox_python(self) -> tuple[builtins.list[str], dict[str, str]]:
         """argv prefix and environment that run the node's own Python inside a sandbox."""
@@ -277,9 +277,7 @@ class Orchestrator:
         if r is None or r.state is not SandboxState.RUNNING or r.address is None:
             return False
         try:
-            return await self._envd.forward(
-                r.address, ENVD_PORT, token=r.envd_access_token, target=port
-            )
+            return await self._envd.at(r.address, r.envd_access_token).forward(port)
         except (AenvError, httpx.HTTPError, ValueError) as e:
             log.debug("no forward of port %s of %s: %s", port, sandbox_id, e)
             return False
