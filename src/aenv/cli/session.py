@@ -8,6 +8,7 @@ the blocking reads of local stdin have a thread of their own."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import re
@@ -145,14 +146,21 @@ def _stdin_queue(stop: threading.Event) -> asyncio.Queue[bytes | None]:
     chunks: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=4)
 
     def put(item: bytes | None) -> bool:
+        """Whether `item` was queued; False once the command is over."""
+        putting = chunks.put(item)
         try:
-            fut = asyncio.run_coroutine_threadsafe(chunks.put(item), loop)
-        except RuntimeError:  # the loop is closed: the command is over
+            fut = asyncio.run_coroutine_threadsafe(putting, loop)
+        except RuntimeError:  # the loop is closed
+            putting.close()
             return False
         while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
+            try:
                 fut.result(0.2)
                 return True
+            except TimeoutError:
+                continue
+            except concurrent.futures.CancelledError:  # the loop cancelled it on its way out
+                return False
         fut.cancel()
         return False
 
