@@ -16,7 +16,7 @@ from aenv.domain import TemplateKind, TemplateRecord
 from aenv.images.layers import LayerStore
 from aenv.orchestrator import Orchestrator
 from aenv.orchestrator.catalog import Catalog
-from aenv.orchestrator.envd_client import EnvdClient
+from aenv.orchestrator.envd_pool import EnvdPool
 from aenv.orchestrator.storage import SandboxStorage
 from aenv.runtime.bundle import EnvdBundle
 from aenv.runtime.fake import FakeHost, FakeRuntime
@@ -33,18 +33,37 @@ class FakeClock:
         self.now += timedelta(seconds=seconds)
 
 
-class _FakeRpc:
-    def __init__(self, envd: FakeEnvd, host: str) -> None:
-        self.envd, self.host = envd, host
+class _FakeEnvdAt:
+    """The fake's answers for the envd at one address (what `EnvdPool.at` gives)."""
+
+    def __init__(self, envd: FakeEnvd, host: str, token: str | None) -> None:
+        self.envd, self.host, self.token = envd, host, token
 
     async def run(self, cmd: str, args: list[str], **kw: Any) -> Any:
         self.envd.runs.append((self.host, cmd, args))
         return None
 
+    async def logs(self, after: int) -> dict[str, Any]:
+        self.envd.journal_reads.append((self.host, after))
+        entries = [e for e in self.envd.journal.get(self.host, []) if e["seq"] > after]
+        return {"seq": self.envd.journal_seq.get(self.host, 0), "entries": entries}
+
+    async def wait_ready(self, timeout: float = 20.0) -> None:
+        return None
+
+    async def healthy(self, timeout: float = 2.0) -> bool:
+        return self.host not in self.envd.unhealthy
+
+    async def init(self, **kw: Any) -> None:
+        if self.envd.fail_inits > 0:
+            self.envd.fail_inits -= 1
+            raise RuntimeError("envd refused /init")
+        self.envd.inits.append((self.host, {**kw, "current_token": self.token}))
+
 
 @dataclass
 class FakeEnvd:
-    """Stands in for the node's envd client: every sandbox's envd answers at once."""
+    """Stands in for the node's envd pool: every sandbox's envd answers at once."""
 
     inits: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     runs: list[tuple[str, str, list[str]]] = field(default_factory=list)
@@ -56,6 +75,8 @@ class FakeEnvd:
     # its last sequence number.
     journal: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     journal_seq: dict[str, int] = field(default_factory=dict)
+    # Every read of a journal: (address, after).
+    journal_reads: list[tuple[str, int]] = field(default_factory=list)
 
     def log(self, host: str, message: str, level: str = "info", **fields: str) -> None:
         """What envd records: one journal entry, now."""
@@ -64,24 +85,8 @@ class FakeEnvd:
         entry = {"seq": seq, "ts": time.time(), "level": level, "message": message}
         self.journal.setdefault(host, []).append({**entry, "fields": fields})
 
-    async def logs(self, host: str, port: int, *, token: str, after: int) -> dict[str, Any]:
-        entries = [e for e in self.journal.get(host, []) if e["seq"] > after]
-        return {"seq": self.journal_seq.get(host, 0), "entries": entries}
-
-    async def wait_ready(self, host: str, port: int, timeout: float = 20.0) -> None:
-        return None
-
-    async def healthy(self, host: str, port: int, timeout: float = 2.0) -> bool:
-        return host not in self.unhealthy
-
-    async def init(self, host: str, port: int, **kw: Any) -> None:
-        if self.fail_inits > 0:
-            self.fail_inits -= 1
-            raise RuntimeError("envd refused /init")
-        self.inits.append((host, kw))
-
-    def rpc(self, host: str, port: int, token: str) -> _FakeRpc:
-        return _FakeRpc(self, host)
+    def at(self, host: str, token: str | None = None) -> _FakeEnvdAt:
+        return _FakeEnvdAt(self, host, token)
 
     async def close(self) -> None:
         return None
@@ -164,7 +169,7 @@ def build(
         runtime,
         storage=storage,
         bundle=EnvdBundle(host_path=bundle_dir, digest="test"),
-        envd=cast(EnvdClient, envd),  # the fake has the client's surface
+        envd=cast(EnvdPool, envd),  # the fake has the pool's surface
         clock=clock,
     )
     return Harness(home, host, clock, envd, settings, orch, runtime, catalog)

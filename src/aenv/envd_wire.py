@@ -1,8 +1,8 @@
-"""envd's Connect wire format (JSON codec), shared by every client of envd: the node
-(`orchestrator/envd_client.py`), the CLI (`cli/connect.py`) and the bench (`bench/client.py`).
+"""envd's Connect wire format (JSON codec), shared by every client of envd: the one envd
+client of the node and the CLI (`envd_client.py`) and the bench (`bench/client.py`).
 
-Pure: no I/O and no HTTP client, so the async node, the sync CLI and the bench drive the same
-codec. A server stream is a run of envelopes (a flag byte, a 4-byte big-endian length, the
+Pure: no I/O and no HTTP client, so the async client and the bench's own sync calls drive
+the same codec. A server stream is a run of envelopes (a flag byte, a 4-byte big-endian length, the
 JSON message); the last one carries `FLAG_END_STREAM` and holds `{}` or
 `{"error": {"code", "message"}}`. Unary calls are plain JSON bodies whose errors are
 `{"code", "message"}` with an HTTP status. proto3 JSON: `bytes` travel as base64 and zero

@@ -30,10 +30,11 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import pytest
 from typer.testing import CliRunner
 
-from aenv.cli.connect import ConnectError, EnvdClient
+from aenv.cli.connect import ConnectError, run_with
 from aenv.cli.errors import CliError
 from aenv.cli.main import app
 from aenv.cli.session import exit_code_of, run_command, signal_number
+from aenv.envd_client import EnvdClient, EnvdTarget
 from aenv.envd_wire import EnvelopeDecoder, b64decode, encode_envelope, parse_process_event
 from tests.helpers import free_port, http_server_thread, wait_until
 
@@ -729,23 +730,47 @@ def test_run_command_writes_output_before_the_stream_ends(fake: FakeAenv) -> Non
             return n
 
     out, err = Sink(), io.BytesIO()
-    with EnvdClient(fake.url, "sbx-a", "tok-sbx-a") as envd:
-        code = run_command(envd, "streamy", stdout=out, stderr=err)
+    code = run_with(
+        _envd(fake, "tok-sbx-a"), lambda envd: run_command(envd, "streamy", stdout=out, stderr=err)
+    )
     # The gate opened on out1: the output was streamed before the command ended.
     assert code == 3 and fake.gate_ok is True
     assert out.getvalue() == b"out1\nout2\n" and err.getvalue() == b"err1\n"
 
 
+def _envd(fake: FakeAenv, token: str) -> EnvdClient:
+    return EnvdClient(EnvdTarget.routed(fake.url, "sbx-a", token))
+
+
 def test_envd_errors_are_connect_errors(fake: FakeAenv) -> None:
     fake.add("sbx-a")
-    with EnvdClient(fake.url, "sbx-a", "wrong") as envd, pytest.raises(ConnectError) as exc:
-        list(envd.stream("process.Process/Start", {"process": {"cmd": "x"}}))
+
+    async def stream(envd: EnvdClient) -> list[dict[str, Any]]:
+        return [m async for m in envd.stream("process.Process/Start", {"process": {"cmd": "x"}})]
+
+    with pytest.raises(ConnectError) as exc:
+        run_with(_envd(fake, "wrong"), stream)
     assert exc.value.code == "unauthenticated" and exc.value.status == 401
-    with EnvdClient(fake.url, "sbx-a", "tok-sbx-a") as envd:
-        with pytest.raises(ConnectError) as exc:
-            envd.unary("process.Process/SendInput", {"process": {"pid": 1}, "input": {}})
-        assert exc.value.code == "not_found"
-        assert isinstance(exc.value, CliError)
+    with pytest.raises(ConnectError) as exc:
+        run_with(
+            _envd(fake, "tok-sbx-a"),
+            lambda envd: envd.unary(
+                "process.Process/SendInput", {"process": {"pid": 1}, "input": {}}
+            ),
+        )
+    assert exc.value.code == "not_found"
+    assert isinstance(exc.value, CliError)
+
+
+def test_an_unreachable_server_is_one_line_naming_it() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(CliError) as exc:
+        run_with(
+            EnvdClient(EnvdTarget.routed(url, "sbx-a", "t")),
+            lambda envd: envd.unary("process.Process/SendInput", {}),
+        )
+    assert not isinstance(exc.value, ConnectError)
+    assert exc.value.message.startswith(f"cannot reach the aenv server at {url}: ")
 
 
 # -- in-process commands ----------------------------------------------------------------

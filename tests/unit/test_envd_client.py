@@ -1,23 +1,25 @@
-"""The node's envd client (`orchestrator/envd_client.py`) over a mock transport: the requests
-it sends and how it reads streams, ends and errors (the wire format: test_envd_wire.py)."""
+"""The envd client (`envd_client.py`) over a mock transport: the requests it sends, straight
+to a sandbox or routed through the aenv server, and how it reads streams, ends and errors
+(the wire format: test_envd_wire.py)."""
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable
 
 import httpx
 import pytest
 
+from aenv.envd_client import EnvdClient, EnvdError, EnvdTarget, EnvdUnreachable, ProcessEvent
 from aenv.envd_wire import FLAG_END_STREAM, EnvelopeDecoder, b64encode, encode_envelope
-from aenv.orchestrator.envd_client import EnvdRpc, ProcessEvent, SandboxProcessError
 
 Handler = Callable[[httpx.Request], httpx.Response]
 
 
-def _rpc(handler: Handler) -> tuple[EnvdRpc, httpx.AsyncClient]:
+def _rpc(handler: Handler) -> tuple[EnvdClient, httpx.AsyncClient]:
     http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    return EnvdRpc(http, "10.0.0.2", 49983, "tok"), http
+    return EnvdClient(EnvdTarget.direct("10.0.0.2", "tok", port=49983), http), http
 
 
 def _stream(*messages: dict[str, object], end: dict[str, object] | None = None) -> bytes:
@@ -83,11 +85,9 @@ async def test_run_sends_a_start_request_and_returns_the_end() -> None:
         (httpx.Response(200, content=_stream({"event": {"start": {"pid": 1}}})), "without an end"),
     ],
 )
-async def test_run_failures_are_sandbox_process_errors(
-    response: httpx.Response, message: str
-) -> None:
+async def test_run_failures_are_envd_errors(response: httpx.Response, message: str) -> None:
     rpc, http = _rpc(lambda request: response)
-    with pytest.raises(SandboxProcessError) as exc:
+    with pytest.raises(EnvdError) as exc:
         await rpc.run("true", [])
     await http.aclose()
     assert message in str(exc.value)
@@ -110,9 +110,55 @@ async def test_make_dir_already_exists_and_errors() -> None:
     rpc, http = _rpc(handler)
     assert await rpc.make_dir("/a", user="user") is True
     assert await rpc.make_dir("/a") is False
-    with pytest.raises(SandboxProcessError, match="no"):
+    with pytest.raises(EnvdError, match="no"):
         await rpc.make_dir("/b")
     await http.aclose()
     assert seen[0].url.path == "/filesystem.Filesystem/MakeDir"
     assert seen[0].headers["content-type"] == "application/json"
     assert json.loads(seen[0].content) == {"path": "/a"}
+
+
+async def test_a_routed_target_names_the_sandbox_and_files_carry_the_user() -> None:
+    """The CLI's way: every request to the server's port with the route headers, the
+    token and the client's headers; `/files` with the client's user."""
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path == "/files" and request.method == "GET":
+            return httpx.Response(404, json={"code": 404, "message": "no such file"})
+        return httpx.Response(200, json={})
+
+    target = EnvdTarget.routed(
+        "http://aenv:8000/", "sbx-a", "tok", headers={"User-Agent": "aenv-cli"}
+    )
+    async with EnvdClient(target, user="alice", transport=httpx.MockTransport(handler)) as envd:
+        await envd.unary("process.Process/SendInput", {"process": {"pid": 1}})
+        await envd.upload("/w/f", io.BytesIO(b"data"), filename="f")
+        with pytest.raises(EnvdError) as exc:
+            [c async for c in envd.download("/w/g")]
+    assert exc.value.code == "not_found" and exc.value.http_status == 404
+    assert str(exc.value) == "/w/g: no such file"
+    for req in seen:
+        assert req.url.host == "aenv" and req.url.port == 8000
+        assert req.headers["e2b-sandbox-id"] == "sbx-a"
+        assert req.headers["e2b-sandbox-port"] == "49983"
+        assert req.headers["x-access-token"] == "tok"
+        assert req.headers["user-agent"] == "aenv-cli"
+        assert req.headers["authorization"] == "Basic " + b64encode(b"alice:")
+    assert seen[1].url.params["username"] == "alice"
+    assert seen[1].headers["content-type"].startswith("multipart/form-data")
+    assert b'filename="f"' in seen[1].content
+
+
+async def test_no_connection_is_unreachable_naming_the_far_end() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused")
+
+    direct = EnvdClient(EnvdTarget.direct("10.0.0.2"), transport=httpx.MockTransport(handler))
+    async with direct:
+        with pytest.raises(
+            EnvdUnreachable, match=r"^cannot reach envd at http://10.0.0.2:49983: refused$"
+        ):
+            await direct.make_dir("/a")
+        assert await direct.healthy() is False

@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "redact",
         "config",
         "envd_wire",
+        "envd_client",
         "domain",
         "egress",
         "nodenet",

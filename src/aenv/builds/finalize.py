@@ -18,7 +18,7 @@ import time
 from dataclasses import replace
 
 from ..domain import BuildInfo, TemplateKind, TemplateRecord, utcnow
-from ..orchestrator.envd_client import EnvdRpc
+from ..envd_client import EnvdClient
 from . import stack, steps
 from .job import BuildFailed, BuildJob, Stack
 from .spec import BuildSpec, BuildState, Step, cache_key
@@ -147,7 +147,7 @@ async def _snapshot_started(
 async def _wait_ready(
     job: BuildJob,
     spec: BuildSpec,
-    rpc: EnvdRpc,
+    rpc: EnvdClient,
     bg: steps.Background,
     user: str,
     state: BuildState,

@@ -28,9 +28,9 @@ from ..domain import (
     TemplateRecord,
     utcnow,
 )
+from ..envd_client import EnvdClient
 from ..images.pull import LayerProgress
 from ..orchestrator import Orchestrator
-from ..orchestrator.envd_client import EnvdRpc
 from . import stack, steps
 from .aliases import alias_for
 from .files import BuildFiles
@@ -240,7 +240,7 @@ class BuildJob:
     # ------------------------------------------------------------------ build sandboxes
     async def boot(
         self, layers: list[str], state: BuildState, user: str | None
-    ) -> tuple[SandboxRecord, EnvdRpc]:
+    ) -> tuple[SandboxRecord, EnvdClient]:
         """A build sandbox on `layers`, killed when the build ends if not committed."""
         b = self.ab.record
         step_stack = TemplateRecord(

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from ..orchestrator.envd_client import EnvdRpc, ProcessEvent
+from ..envd_client import EnvdClient, ProcessEvent
 
 # Where a COPY step's archive is put inside the sandbox (removed again by the helper).
 COPY_DIR = "/.aenv-build"
@@ -52,7 +52,7 @@ class LineSplitter:
 
 
 async def run_shell(
-    rpc: EnvdRpc,
+    rpc: EnvdClient,
     command: str,
     *,
     user: str | None,
@@ -87,7 +87,7 @@ async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
 
 
 async def copy_files(
-    rpc: EnvdRpc,
+    rpc: EnvdClient,
     archive: Path,
     files_hash: str,
     *,
@@ -139,7 +139,7 @@ class Background:
 
     def start(
         self,
-        rpc: EnvdRpc,
+        rpc: EnvdClient,
         command: str,
         *,
         user: str | None,

@@ -10,27 +10,14 @@ from urllib.parse import quote, urlencode
 
 import httpx
 
+from ..envd_client import answer_message
 from .errors import CliError
 
 USER_AGENT = "aenv-cli"
 
 
-def server_message(resp: httpx.Response) -> str:
-    """The human message of an error response: E2B `{code, message}`, Connect
-    `{code, message}`, or the status line plus the start of a non-JSON body."""
-    try:
-        body = resp.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict):
-        msg = body.get("message") or body.get("detail") or body.get("error")
-        if isinstance(msg, str) and msg.strip():
-            return msg
-        if isinstance(msg, dict | list):
-            return str(msg)
-    text = resp.text.strip()
-    status = f"{resp.status_code} {resp.reason_phrase}".strip()
-    return f"{status}: {text[:200]}" if text else status
+# What an error answer says: one reading for the control plane and envd alike.
+server_message = answer_message
 
 
 def transport_error(url: str, exc: httpx.TransportError) -> CliError:

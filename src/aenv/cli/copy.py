@@ -6,8 +6,8 @@ it has a `:` before any `/`; write `./a:b` for a local file named `a:b`.
 
 Transfers go through envd's `/files` (multipart upload, as the E2B SDK does; plain
 download) and its `filesystem.Filesystem` RPCs (Stat, ListDir with a depth, MakeDir),
-routed by the server's data plane. Directories are copied file by file, four files at a
-time: it needs nothing in the sandbox's image (no tar), and each file streams. File modes
+routed by the server's data plane, over the one envd client on one event loop. Directories
+are copied file by file, four files at a time: it needs nothing in the sandbox's image (no tar), and each file streams. File modes
 are kept: downloads set them locally; uploads set the ones that differ from envd's
 defaults (0644 files, 0755 directories) with one `chmod` run in the sandbox (skipped, with
 a warning, when the image has no `sh`/`chmod`). Symlinks to files are copied as files (their
@@ -16,6 +16,7 @@ content); symlinks to directories are skipped with a note, never followed (no lo
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import posixpath
@@ -23,8 +24,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -32,8 +32,9 @@ from typing import IO, Annotated, Any
 
 import typer
 
+from ..envd_client import EnvdClient, EnvdError, EnvdUnreachable
 from ..envd_wire import PROCESS_START, start_request
-from .connect import ConnectError, EnvdClient
+from .connect import cli_error, run_with
 from .errors import CliError
 from .options import UserOpt, note
 from .state import state_of
@@ -81,8 +82,7 @@ def dest_inside(dst: str, is_dir: bool) -> bool:
 
 
 class Progress:
-    """One bar for the whole transfer on stderr, only on a terminal and for large ones;
-    `advance` is safe from the worker threads."""
+    """One bar for the whole transfer on stderr, only on a terminal and for large ones."""
 
     def __init__(self, total: int, files: int, verb: str) -> None:
         self._bar: Any = None
@@ -158,25 +158,27 @@ class _Counted:
 # -- the sandbox side -----------------------------------------------------------------------
 
 
-def stat(envd: EnvdClient, path: str) -> dict[str, Any] | None:
+async def stat(envd: EnvdClient, path: str) -> dict[str, Any] | None:
     try:
-        entry = envd.unary(STAT, {"path": path}).get("entry")
-    except ConnectError as exc:
+        entry = (await envd.unary(STAT, {"path": path})).get("entry")
+    except EnvdError as exc:
         if exc.code == "not_found":
             return None
         raise
     return entry if isinstance(entry, dict) else None
 
 
-def make_dir(envd: EnvdClient, path: str) -> None:
+async def make_dir(envd: EnvdClient, sid: str, path: str) -> None:
     try:
-        envd.unary(MAKE_DIR, {"path": path})
-    except ConnectError as exc:
+        await envd.unary(MAKE_DIR, {"path": path})
+    except EnvdUnreachable:
+        raise
+    except EnvdError as exc:
         if exc.code != "already_exists":
-            raise CliError(f"{envd.sandbox_id}:{path}: {exc.message}") from None
+            raise CliError(f"{sid}:{path}: {cli_error(exc).message}") from None
 
 
-def chmod_remote(envd: EnvdClient, modes: dict[str, int]) -> None:
+async def chmod_remote(envd: EnvdClient, modes: dict[str, int]) -> None:
     """Set modes in the sandbox with `chmod` (envd has no chmod RPC): one run per mode,
     paths in batches. A sandbox without sh/chmod gets a warning, not an error."""
     from .session import exit_code_of
@@ -191,13 +193,13 @@ def chmod_remote(envd: EnvdClient, modes: dict[str, int]) -> None:
             code = 1
             try:
                 request = dict(start_request("/bin/sh", args), stdin=False)
-                for event in envd.process(PROCESS_START, request):
+                async for event in envd.events(PROCESS_START, request):
                     if event.kind == "stderr":
                         err += event.data
                     elif event.kind == "end":
                         code = exit_code_of(event)
-            except CliError as exc:
-                note(f"warning: file modes not kept ({exc.message})")
+            except EnvdError as exc:
+                note(f"warning: file modes not kept ({cli_error(exc).message})")
                 return
             if code != 0:
                 msg = err.decode(errors="replace").strip() or f"chmod exited {code}"
@@ -257,47 +259,68 @@ def plan_upload(src: Path, target: str) -> _Plan:
     return plan
 
 
-def _upload_one(envd: EnvdClient, local: str, remote: str, progress: Progress) -> None:
-    with open(local, "rb") as f:
-        envd.upload(remote, _Counted(f, progress.advance), posixpath.basename(remote))  # type: ignore[arg-type]
+async def _put(envd: EnvdClient, remote: str, data: IO[bytes], filename: str) -> None:
+    try:
+        await envd.upload(remote, data, filename=filename)
+    except EnvdError as exc:
+        raise cli_error(exc, code=False) from None
 
 
-def _run_all(jobs: list[Callable[[], None]]) -> None:
-    """Run the jobs on a few threads; the first failure stops the rest and is raised."""
-    if len(jobs) <= 1:
-        for job in jobs:
-            job()
-        return
-    with ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="aenv-cp") as pool:
-        futures = [pool.submit(job) for job in jobs]
-        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in pending:
-            f.cancel()
-        for f in futures:
-            if f.done() and not f.cancelled() and f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
+async def _upload_one(envd: EnvdClient, local: str, remote: str, progress: Progress) -> None:
+    with await asyncio.to_thread(open, local, "rb") as f:
+        await _put(envd, remote, _Counted(f, progress.advance), posixpath.basename(remote))  # type: ignore[arg-type]
 
 
-def upload(envd: EnvdClient, src: str, dst: Remote) -> str:
-    """Copy local `src` to the sandbox; the sandbox path it went to."""
-    sid = envd.sandbox_id
+async def _run_all(jobs: list[Callable[[], Awaitable[None]]]) -> None:
+    """Run the jobs a few at a time; the first failure stops the rest and is raised."""
+    gate = asyncio.Semaphore(WORKERS)
+
+    async def one(job: Callable[[], Awaitable[None]]) -> None:
+        async with gate:
+            await job()
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for job in jobs:
+                group.create_task(one(job))
+    except ExceptionGroup as eg:
+        raise eg.exceptions[0] from None
+
+
+@dataclass(frozen=True)
+class LocalPath:
+    """What a copy needs to know of a local path, read before it calls the sandbox."""
+
+    path: Path
+    exists: bool
+    is_dir: bool
+    is_file: bool
+
+    @classmethod
+    def of(cls, path: str) -> LocalPath:
+        p = Path(path)
+        return cls(p, p.exists(), p.is_dir(), p.is_file())
+
+
+async def upload(envd: EnvdClient, src: str, dst: Remote, local: LocalPath) -> str:
+    """Copy local `src` (`local`, unless `-`) to the sandbox; the sandbox path it went to."""
+    sid = dst.sandbox_id
     if src == "-":
-        entry = stat(envd, dst.path)
+        entry = await stat(envd, dst.path)
         if entry is not None and entry.get("type") == DIR:
             raise CliError(f"{sid}:{dst.path} is a directory (name the file to write)")
         with tempfile.TemporaryFile() as tmp:
             shutil.copyfileobj(sys.stdin.buffer, tmp)
             tmp.seek(0)
-            envd.upload(dst.path, tmp, posixpath.basename(dst.path) or "stdin")
+            await _put(envd, dst.path, tmp, posixpath.basename(dst.path) or "stdin")
         return dst.path
-    local = Path(src)
-    if not local.exists():
+    if not local.exists:
         raise CliError(f"{src}: no such file or directory")
-    entry = stat(envd, dst.path)
+    entry = await stat(envd, dst.path)
     is_dir = entry is not None and entry.get("type") == DIR
     base = str(entry["path"]) if entry is not None and entry.get("path") else dst.path
-    name = local.resolve().name
-    if local.is_dir():
+    name = (await asyncio.to_thread(local.path.resolve)).name
+    if local.is_dir:
         contents_only = src.rstrip("/").endswith("/.") or src in (".", "./")
         if entry is not None and not is_dir:
             raise CliError(f"cannot copy directory {src} onto file {sid}:{dst.path}")
@@ -307,45 +330,50 @@ def upload(envd: EnvdClient, src: str, dst: Remote) -> str:
             target = posixpath.join(dst.path, name)
         else:
             target = base
-        plan = plan_upload(local, target)
+        plan = await asyncio.to_thread(plan_upload, local.path, target)
         for d in plan.dirs:
-            make_dir(envd, d)
+            await make_dir(envd, sid, d)
         total = sum(size for _, _, size in plan.files)
         with Progress(total, len(plan.files), "uploading") as progress:
-            _run_all([partial(_upload_one, envd, a, b, progress) for a, b, _ in plan.files])
+            await _run_all([partial(_upload_one, envd, a, b, progress) for a, b, _ in plan.files])
         if plan.modes:
-            chmod_remote(envd, plan.modes)
+            await chmod_remote(envd, plan.modes)
         for s in plan.skipped:
             note(f"skipped {s} (a symlink to a directory, or not a regular file)")
         return target
-    if not local.is_file():
+    if not local.is_file:
         raise CliError(f"{src}: not a regular file or directory")
     target = posixpath.join(base, name) if dest_inside(dst.path, is_dir) else dst.path
-    size = local.stat().st_size
-    with Progress(size, 1, "uploading") as progress:
-        _upload_one(envd, str(local), target, progress)
-    mode = local.stat().st_mode & 0o7777
+    info = await asyncio.to_thread(local.path.stat)
+    with Progress(info.st_size, 1, "uploading") as progress:
+        await _upload_one(envd, str(local.path), target, progress)
+    mode = info.st_mode & 0o7777
     if mode != ENVD_FILE_MODE:
-        chmod_remote(envd, {target: mode})
+        await chmod_remote(envd, {target: mode})
     return target
 
 
 # -- download -------------------------------------------------------------------------------
 
 
-def _download_one(
+async def _download_one(
     envd: EnvdClient, remote: str, out: IO[bytes], progress: Progress | None = None
 ) -> None:
-    with envd.download(remote) as resp:
-        for chunk in resp.iter_bytes(CHUNK):
-            out.write(chunk)
-            if progress is not None:
-                progress.advance(len(chunk))
+    try:
+        async with contextlib.aclosing(envd.download(remote, chunk_size=CHUNK)) as chunks:
+            async for chunk in chunks:
+                out.write(chunk)
+                if progress is not None:
+                    progress.advance(len(chunk))
+    except EnvdError as exc:
+        raise cli_error(exc, code=False) from None
 
 
-def _download_to(envd: EnvdClient, remote: str, local: Path, mode: int, progress: Progress) -> None:
-    with open(local, "wb") as f:
-        _download_one(envd, remote, f, progress)
+async def _download_to(
+    envd: EnvdClient, remote: str, local: Path, mode: int, progress: Progress
+) -> None:
+    with await asyncio.to_thread(open, local, "wb") as f:
+        await _download_one(envd, remote, f, progress)
     os.chmod(local, mode)
 
 
@@ -354,10 +382,11 @@ def _mode(entry: dict[str, Any], default: int) -> int:
     return int(mode) & 0o7777 if isinstance(mode, int) else default
 
 
-def download(envd: EnvdClient, src: Remote, dst: str) -> Path | None:
-    """Copy a sandbox path to local `dst` (None: to stdout); the local path written."""
-    sid = envd.sandbox_id
-    entry = stat(envd, src.path)
+async def download(envd: EnvdClient, src: Remote, dst: str, local: LocalPath) -> Path | None:
+    """Copy a sandbox path to local `dst` (`local`, unless `-`: stdout); the local path
+    written (None for stdout)."""
+    sid = src.sandbox_id
+    entry = await stat(envd, src.path)
     if entry is None:
         raise CliError(f"{sid}:{src.path}: no such file or directory")
     rpath = str(entry.get("path") or src.path)
@@ -366,24 +395,23 @@ def download(envd: EnvdClient, src: Remote, dst: str) -> Path | None:
         if is_dir:
             raise CliError(f"{sid}:{src.path} is a directory (only a file goes to stdout)")
         out = sys.stdout.buffer
-        _download_one(envd, rpath, out)
+        await _download_one(envd, rpath, out)
         out.flush()
         return None
-    local = Path(dst)
     name = posixpath.basename(rpath.rstrip("/")) or "root"
     if not is_dir:
         if entry.get("type") != FILE:
             raise CliError(f"{sid}:{src.path}: not a regular file or directory")
-        target = local / name if dest_inside(dst, local.is_dir()) else local
+        target = local.path / name if dest_inside(dst, local.is_dir) else local.path
         size = int(entry.get("size") or 0)
         with Progress(size, 1, "downloading") as progress:
-            _download_to(envd, rpath, target, _mode(entry, ENVD_FILE_MODE), progress)
+            await _download_to(envd, rpath, target, _mode(entry, ENVD_FILE_MODE), progress)
         return target
     contents_only = src.path.rstrip("/").endswith("/.")
-    if local.exists() and not local.is_dir():
+    if local.exists and not local.is_dir:
         raise CliError(f"cannot copy directory {sid}:{src.path} onto file {dst}")
-    target = local / name if local.is_dir() and not contents_only else local
-    listing = envd.unary(LIST_DIR, {"path": rpath, "depth": MAX_DEPTH}).get("entries") or []
+    target = local.path / name if local.is_dir and not contents_only else local.path
+    listing = (await envd.unary(LIST_DIR, {"path": rpath, "depth": MAX_DEPTH})).get("entries") or []
     dir_modes: list[tuple[Path, int]] = [(target, _mode(entry, ENVD_DIR_MODE))]
     files: list[tuple[str, Path, int, int]] = []
     skipped: list[str] = []
@@ -404,7 +432,7 @@ def download(envd: EnvdClient, src: Remote, dst: str) -> Path | None:
             skipped.append(path)
     total = sum(f[2] for f in files)
     with Progress(total, len(files), "downloading") as progress:
-        _run_all([partial(_download_to, envd, r, d, m, progress) for r, d, _, m in files])
+        await _run_all([partial(_download_to, envd, r, d, m, progress) for r, d, _, m in files])
     # Directory modes last, deepest first: a read-only directory was still written into.
     for d, m in sorted(dir_modes, key=lambda x: len(x[0].parts), reverse=True):
         with contextlib.suppress(OSError):
@@ -450,13 +478,15 @@ def cp(
     state = state_of(ctx)
     remote = src_remote or dst_remote
     assert remote is not None
-    with state.envd_of(remote.sandbox_id, user) as envd:
-        if dst_remote is not None:
-            where = upload(envd, src, dst_remote)
-            if not quiet:
-                print(f"{src} -> {dst_remote.sandbox_id}:{where}", file=sys.stderr)
-        else:
-            assert src_remote is not None
-            written = download(envd, src_remote, dst)
-            if written is not None and not quiet:
-                print(f"{src} -> {written}", file=sys.stderr)
+    envd = state.envd_of(remote.sandbox_id, user)
+    if dst_remote is not None:
+        local = LocalPath.of(src)
+        where = run_with(envd, lambda envd: upload(envd, src, dst_remote, local))
+        if not quiet:
+            print(f"{src} -> {dst_remote.sandbox_id}:{where}", file=sys.stderr)
+    else:
+        assert src_remote is not None
+        there = LocalPath.of(dst)
+        written = run_with(envd, lambda envd: download(envd, src_remote, dst, there))
+        if written is not None and not quiet:
+            print(f"{src} -> {written}", file=sys.stderr)

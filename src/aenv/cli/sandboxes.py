@@ -14,7 +14,7 @@ import typer
 
 from ..domain import DEFAULT_TEMPLATE
 from .client import ControlPlane
-from .connect import ConnectError
+from .connect import ConnectError, run_with
 from .errors import CliError
 from .options import (
     AutoOutputOpt,
@@ -222,11 +222,11 @@ def _shell(
     def keepalive() -> None:
         cp.connect(sandbox_id, timeout)  # extends only, never shortens
 
-    return attach_shell(
-        lambda: state.envd(sandbox_id, token, user),
-        cwd=cwd,
-        keepalive=keepalive,
-        keepalive_interval=_keepalive_interval(timeout),
+    return run_with(
+        state.envd(sandbox_id, token, user),
+        lambda envd: attach_shell(
+            envd, cwd=cwd, keepalive=keepalive, keepalive_interval=_keepalive_interval(timeout)
+        ),
     )
 
 
@@ -309,15 +309,19 @@ def exec_(
     state = state_of(ctx)
     envs = pairs(env, "--env")
     forward = (not _stdin_is_tty()) if stdin is None else stdin
-    with state.envd_of(sandbox_id, user) as envd, keep_alive(state, sandbox_id):
+    envd = state.envd_of(sandbox_id, user)
+    with keep_alive(state, sandbox_id):
         try:
-            code = run_command(
+            code = run_with(
                 envd,
-                _join_command(command),
-                envs=envs,
-                cwd=cwd,
-                forward_stdin=forward,
-                timeout_ms=timeout * 1000 if timeout else None,
+                lambda envd: run_command(
+                    envd,
+                    _join_command(command),
+                    envs=envs,
+                    cwd=cwd,
+                    forward_stdin=forward,
+                    timeout_ms=timeout * 1000 if timeout else None,
+                ),
             )
         except ConnectError as exc:
             if timeout and exc.code == "deadline_exceeded":

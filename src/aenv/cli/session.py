@@ -1,11 +1,16 @@
 """Running things in a sandbox from the terminal: `exec` (streamed stdout/stderr) and the
-interactive PTY shell of `start`/`connect`."""
+interactive PTY shell of `start`/`connect`.
+
+Both are coroutines over the one envd client, run by the command (`connect.run`): the
+process stream, stdin and the calls beside it (input, resize, kill) share its loop; only
+the blocking reads of local stdin have a thread of their own."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import os
-import queue
 import re
 import select
 import shutil
@@ -14,9 +19,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from types import FrameType
 from typing import Any, BinaryIO, cast
 
+from ..envd_client import EnvdClient, EnvdError
 from ..envd_wire import (
     PROCESS_CLOSE_STDIN,
     PROCESS_SEND_INPUT,
@@ -27,7 +32,7 @@ from ..envd_wire import (
     b64encode,
     start_request,
 )
-from .connect import ConnectError, EnvdClient
+from .connect import ConnectError
 from .errors import CliError
 
 # Go's `syscall.Signal.String()` on Linux, as envd puts it in `status` ("signal: killed").
@@ -133,10 +138,46 @@ def _read_chunks(stop: threading.Event) -> Iterator[bytes]:
         yield data
 
 
+def _stdin_queue(stop: threading.Event) -> asyncio.Queue[bytes | None]:
+    """Local stdin as a queue of chunks that ends with None, read on a daemon thread: a
+    blocking read holds neither the loop nor the exit. A few chunks ahead at most, so piped
+    input is not read into memory faster than it is sent."""
+    loop = asyncio.get_running_loop()
+    chunks: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=4)
+
+    def put(item: bytes | None) -> bool:
+        """Whether `item` was queued; False once the command is over."""
+        putting = chunks.put(item)
+        try:
+            fut = asyncio.run_coroutine_threadsafe(putting, loop)
+        except RuntimeError:  # the loop is closed
+            putting.close()
+            return False
+        while not stop.is_set():
+            try:
+                fut.result(0.2)
+                return True
+            except TimeoutError:
+                continue
+            except concurrent.futures.CancelledError:  # the loop cancelled it on its way out
+                return False
+        fut.cancel()
+        return False
+
+    def pump() -> None:
+        for data in _read_chunks(stop):
+            if not put(data):
+                return
+        put(None)
+
+    threading.Thread(target=pump, name="aenv-stdin", daemon=True).start()
+    return chunks
+
+
 # -- exec ---------------------------------------------------------------------------------
 
 
-def run_command(
+async def run_command(
     envd: EnvdClient,
     command: str,
     *,
@@ -148,8 +189,7 @@ def run_command(
     stderr: BinaryIO | None = None,
 ) -> int:
     """Run `command` with `bash -l -c` like the SDK's `commands.run`, streaming its output
-    as it arrives; returns the local exit code. Calls made while the stream is open (stdin,
-    kill on ^C) use a clone of `envd`."""
+    as it arrives; returns the local exit code."""
     out = stdout or _binary(sys.stdout)
     err = stderr or _binary(sys.stderr)
     request = start_request(
@@ -158,35 +198,40 @@ def run_command(
     # Said either way: envd (as E2B's) keeps a process's stdin open when it is not said,
     # and a command reading it (`cat`) would wait for input that never comes.
     request["stdin"] = forward_stdin
-    make_client = envd.clone
 
     pid: int | None = None
     end: ProcessEvent | None = None
     stop = threading.Event()
-    feeder: threading.Thread | None = None
+    feeder: asyncio.Task[None] | None = None
     try:
-        for event in envd.process(PROCESS_START, request, timeout_ms=timeout_ms):
-            if event.kind == "start":
-                pid = event.pid
-                if forward_stdin and feeder is None:
-                    feeder = threading.Thread(
-                        target=_feed_stdin, args=(make_client, pid, stop), daemon=True
-                    )
-                    feeder.start()
-            elif event.kind == "end":
-                end = event
-            else:
-                _write(err if event.kind == "stderr" else out, event.data)
-    except KeyboardInterrupt:
+        async with contextlib.aclosing(
+            envd.events(PROCESS_START, request, timeout_ms=timeout_ms)
+        ) as events:
+            async for event in events:
+                if event.kind == "start":
+                    pid = event.pid
+                    if forward_stdin and feeder is None:
+                        feeder = asyncio.create_task(_feed_stdin(envd, pid, stop))
+                elif event.kind == "end":
+                    end = event
+                else:
+                    _write(err if event.kind == "stderr" else out, event.data)
+    except (KeyboardInterrupt, asyncio.CancelledError) as exc:
+        # ^C (asyncio.run cancels this task for it): the kill still goes out, 130 is the answer.
+        task = asyncio.current_task()
+        if isinstance(exc, asyncio.CancelledError) and task is not None:
+            task.uncancel()
         stop.set()
         if pid is not None:
-            with contextlib.suppress(CliError), make_client() as killer:
-                killer.unary(
+            with contextlib.suppress(EnvdError):
+                await envd.unary(
                     PROCESS_SEND_SIGNAL, {"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}
                 )
         return 130
     finally:
         stop.set()
+        if feeder is not None:
+            feeder.cancel()
     if pid is None and end is None:
         raise CliError("the command stream ended before the process started")
     if end is None:
@@ -198,15 +243,15 @@ def run_command(
     return exit_code_of(end)
 
 
-def _feed_stdin(make_client: Callable[[], EnvdClient], pid: int, stop: threading.Event) -> None:
-    with contextlib.suppress(CliError), make_client() as client:
-        for data in _read_chunks(stop):
-            client.unary(
+async def _feed_stdin(envd: EnvdClient, pid: int, stop: threading.Event) -> None:
+    chunks = _stdin_queue(stop)
+    with contextlib.suppress(EnvdError):
+        while (data := await chunks.get()) is not None:
+            await envd.unary(
                 PROCESS_SEND_INPUT, {"process": {"pid": pid}, "input": {"stdin": b64encode(data)}}
             )
         if not stop.is_set():
-            with contextlib.suppress(CliError):
-                client.unary(PROCESS_CLOSE_STDIN, {"process": {"pid": pid}})
+            await envd.unary(PROCESS_CLOSE_STDIN, {"process": {"pid": pid}})
 
 
 # -- interactive shell --------------------------------------------------------------------
@@ -250,8 +295,8 @@ class _RawMode:
             self._saved = None
 
 
-def attach_shell(
-    make_client: Callable[[], EnvdClient],
+async def attach_shell(
+    envd: EnvdClient,
     *,
     envs: dict[str, str] | None = None,
     cwd: str | None = None,
@@ -262,9 +307,9 @@ def attach_shell(
 
     The local TTY (if stdin is one) is put in raw mode; keystrokes go to SendInput, window
     size changes to Update, PTY output to stdout. When stdin is not a TTY its content is
-    sent as typed input followed by ^D. `keepalive` is called every `keepalive_interval`
-    seconds while attached (to push the sandbox's timeout forward). Returns the shell's
-    exit code.
+    sent as typed input followed by ^D. `keepalive` (a blocking call, run on a thread) is
+    called every `keepalive_interval` seconds while attached (to push the sandbox's timeout
+    forward). Returns the shell's exit code.
     """
     cols, rows = terminal_size()
     term = os.environ.get("TERM") or "xterm-256color"
@@ -279,127 +324,116 @@ def attach_shell(
     fd = _stdin_fd()
     interactive = fd is not None and os.isatty(fd)
     out = _binary(sys.stdout)
-    # SimpleQueue: on_winch puts from a signal handler, which may interrupt another put in
-    # the same thread (a resize's SIGWINCH from the kernel and one from the emulator);
-    # Queue.put takes a lock a nested call would wait on forever, SimpleQueue.put is reentrant.
-    jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+    loop = asyncio.get_running_loop()
+    jobs: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
     stop = threading.Event()
-    shown = threading.Event()  # the shell's first output (its prompt) arrived
-    threads: list[threading.Thread] = []
-    old_winch: Any = None
+    shown = asyncio.Event()  # the shell's first output (its prompt) arrived
+    tasks: list[asyncio.Task[None]] = []
     winch_installed = False
     end: ProcessEvent | None = None
 
-    def on_winch(signum: int, frame: FrameType | None) -> None:
-        jobs.put(("resize", None))
-
-    envd = make_client()
-    try:
-        with _RawMode(fd if interactive else None):
-            try:
-                for event in envd.process(PROCESS_START, request):
-                    if event.kind == "start" and not threads:
-                        pid = event.pid
+    with _RawMode(fd if interactive else None):
+        try:
+            async with contextlib.aclosing(envd.events(PROCESS_START, request)) as events:
+                async for event in events:
+                    if event.kind == "start" and not tasks:
                         if interactive and threading.current_thread() is threading.main_thread():
-                            old_winch = signal.signal(signal.SIGWINCH, on_winch)
+                            # Run on the loop, not in the signal handler: a burst of resizes
+                            # only queues jobs.
+                            loop.add_signal_handler(
+                                signal.SIGWINCH, jobs.put_nowait, ("resize", None)
+                            )
                             winch_installed = True
-                        threads = [
-                            threading.Thread(
-                                target=_pump_input,
-                                args=(jobs, stop, interactive, shown),
-                                daemon=True,
-                            ),
-                            threading.Thread(
-                                target=_shell_worker,
-                                args=(
-                                    make_client,
-                                    pid,
+                        tasks = [
+                            asyncio.create_task(_pump_input(jobs, stop, interactive, shown)),
+                            asyncio.create_task(
+                                _shell_worker(
+                                    envd,
+                                    event.pid,
                                     jobs,
                                     keepalive,
                                     keepalive_interval,
                                     (cols, rows),
-                                ),
-                                daemon=True,
+                                )
                             ),
                         ]
-                        for t in threads:
-                            t.start()
                     elif event.kind == "end":
                         end = event
                     elif event.kind != "start":
                         _write(out, event.data)
                         shown.set()
-            finally:
-                stop.set()
-                if winch_installed:
-                    signal.signal(signal.SIGWINCH, old_winch)
-                jobs.put(("stop", None))
-                for t in threads:
-                    t.join(timeout=2.0)
-    finally:
-        envd.close()
+        finally:
+            stop.set()
+            if winch_installed:
+                loop.remove_signal_handler(signal.SIGWINCH)
+            jobs.put_nowait(("stop", None))
+            if tasks:
+                _, pending = await asyncio.wait(tasks, timeout=2.0)
+                for t in pending:
+                    t.cancel()
     if end is None:
         raise ConnectError("unavailable", "the shell ended without an end event")
     return exit_code_of(end)
 
 
-def _pump_input(
-    jobs: queue.SimpleQueue[tuple[str, Any]],
+async def _pump_input(
+    jobs: asyncio.Queue[tuple[str, Any]],
     stop: threading.Event,
     interactive: bool,
-    shown: threading.Event,
+    shown: asyncio.Event,
 ) -> None:
     last = b"\n"
     if not interactive:
         # Piped input waits for the shell's first output: typed before bash's line editor
         # is up, a lone ^D (stdin from /dev/null) would be lost and the shell never exit.
-        shown.wait(10.0)
-    for data in _read_chunks(stop):
-        jobs.put(("input", data))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(shown.wait(), 10.0)
+    chunks = _stdin_queue(stop)
+    while (data := await chunks.get()) is not None:
+        jobs.put_nowait(("input", data))
         last = data[-1:]
     if not interactive and not stop.is_set():
         # Piped input is over: finish the line, then ^D so the shell exits.
-        jobs.put(("input", (b"" if last == b"\n" else b"\n") + b"\x04"))
+        jobs.put_nowait(("input", (b"" if last == b"\n" else b"\n") + b"\x04"))
 
 
-def _shell_worker(
-    make_client: Callable[[], EnvdClient],
+async def _shell_worker(
+    envd: EnvdClient,
     pid: int,
-    jobs: queue.SimpleQueue[tuple[str, Any]],
+    jobs: asyncio.Queue[tuple[str, Any]],
     keepalive: Callable[[], None] | None,
     interval: float,
     sent_size: tuple[int, int],
 ) -> None:
     selector = {"pid": pid}
     next_keepalive = time.monotonic() + interval
-    with make_client() as client:
-        while True:
-            wait = max(0.0, next_keepalive - time.monotonic()) if keepalive else None
-            try:
-                kind, value = jobs.get(timeout=wait)
-            except queue.Empty:
-                with contextlib.suppress(CliError):
-                    if keepalive:
-                        keepalive()
-                next_keepalive = time.monotonic() + interval
-                continue
-            if kind == "stop":
-                return
+    while True:
+        wait = max(0.0, next_keepalive - time.monotonic()) if keepalive else None
+        try:
+            kind, value = await asyncio.wait_for(jobs.get(), wait)
+        except TimeoutError:
             with contextlib.suppress(CliError):
-                if kind == "input":
-                    client.unary(
-                        PROCESS_SEND_INPUT,
-                        {"process": selector, "input": {"pty": b64encode(value)}},
-                    )
-                elif kind == "resize":
-                    # Read when sent: a burst of SIGWINCH while a window is dragged costs
-                    # one call per size actually seen, not one per signal.
-                    size = terminal_size()
-                    if size == sent_size:
-                        continue
-                    sent_size = size
-                    c, r = size
-                    client.unary(
-                        PROCESS_UPDATE,
-                        {"process": selector, "pty": {"size": {"cols": c, "rows": r}}},
-                    )
+                if keepalive:
+                    await asyncio.to_thread(keepalive)
+            next_keepalive = time.monotonic() + interval
+            continue
+        if kind == "stop":
+            return
+        with contextlib.suppress(EnvdError):
+            if kind == "input":
+                await envd.unary(
+                    PROCESS_SEND_INPUT,
+                    {"process": selector, "input": {"pty": b64encode(value)}},
+                )
+            elif kind == "resize":
+                # Read when sent: a burst of SIGWINCH while a window is dragged costs
+                # one call per size actually seen, not one per signal.
+                size = terminal_size()
+                if size == sent_size:
+                    continue
+                sent_size = size
+                c, r = size
+                await envd.unary(
+                    PROCESS_UPDATE,
+                    {"process": selector, "pty": {"size": {"cols": c, "rows": r}}},
+                )

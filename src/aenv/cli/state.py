@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from .client import ControlPlane
-from .connect import EnvdClient
+from ..envd_client import EnvdClient, EnvdTarget
+from .client import USER_AGENT, ControlPlane
 from .credentials import Credentials, credentials_path, load_credentials
 from .errors import CliError
 from .tls import verify_option
@@ -129,7 +129,14 @@ class CliState:
         return ControlPlane(self.url, key, key_hint=hint, verify=self.verify())
 
     def envd(self, sandbox_id: str, token: str | None, user: str | None = None) -> EnvdClient:
-        return EnvdClient(self.url, sandbox_id, token, user=user, verify=self.verify())
+        target = EnvdTarget.routed(
+            self.url,
+            sandbox_id,
+            token,
+            headers={"User-Agent": USER_AGENT},
+            verify=self.verify(),
+        )
+        return EnvdClient(target, user=user)
 
     def envd_of(self, sandbox_id: str, user: str | None = None) -> EnvdClient:
         """An envd client for a running sandbox (its access token looked up); a paused one

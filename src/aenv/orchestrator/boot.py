@@ -34,7 +34,7 @@ from ..runtime.base import Mount, Runtime, SandboxSpec
 from ..runtime.bundle import EnvdBundle
 from ..volumes import VolumeStore
 from .context import NodeContext
-from .envd_client import EnvdClient
+from .envd_pool import EnvdPool
 from .squashing import Squasher, replace_run, run_to_squash
 from .storage import SandboxStorage
 from .table import SandboxTable
@@ -54,7 +54,7 @@ class Booter:
         table: SandboxTable,
         runtime: Runtime,
         storage: SandboxStorage,
-        envd: EnvdClient,
+        envd: EnvdPool,
         bundle: EnvdBundle,
         volumes: VolumeStore | None = None,
     ) -> None:
@@ -225,7 +225,7 @@ class Booter:
                     inst = await self.runtime.restore(spec, image, reuse=reuse)
             r.instance = inst
             with t.stage("envd-ready"):
-                await self.envd.wait_ready(inst.address, ENVD_PORT)
+                await self.envd.at(inst.address).wait_ready()
             if init:
                 current = init_from if image is not None else (r.envd_access_token or None)
                 with t.stage("envd-init"):
@@ -252,14 +252,11 @@ class Booter:
     async def init_envd(self, r: SandboxRecord, *, current_token: str | None = None) -> None:
         """Gives envd the sandbox's token, environment, user and working directory."""
         assert r.instance is not None
-        await self.envd.init(
-            r.instance.address,
-            ENVD_PORT,
+        await self.envd.at(r.instance.address, current_token).init(
             token=r.envd_access_token,
             env_vars={**r.boot.env, **r.env_vars},
             user=r.boot.user,
             workdir=r.boot.workdir,
-            current_token=current_token,
         )
 
     async def apply_egress(self, r: SandboxRecord) -> None:
@@ -313,7 +310,7 @@ class Booter:
         otherwise ~45 ms slower (envd's process code and bash's files are read through
         gVisor's gofer for the first time). Best effort: an image without bash just skips."""
         assert r.instance is not None
-        rpc = self.envd.rpc(r.instance.address, ENVD_PORT, r.envd_access_token)
+        rpc = self.envd.at(r.instance.address, r.envd_access_token)
         try:
             await rpc.run("/bin/bash", ["-l", "-c", "true"], user=r.boot.user, timeout=10)
         except Exception as e:

@@ -37,8 +37,9 @@ from typing import Final
 import httpx
 
 from ..config import Settings
-from ..domain import DEFAULT_TEMPLATE, ENVD_PORT, LIVE_STATES, SandboxRecord, SandboxState
+from ..domain import DEFAULT_TEMPLATE, LIVE_STATES, SandboxRecord, SandboxState
 from ..envd.files import file_signature
+from ..envd_client import EnvdClient
 from ..errors import AenvError, BadRequest
 from ..runtime.base import Runtime
 from ..runtime.bundle import EnvdBundle
@@ -48,7 +49,7 @@ from .bootsnaps import BootSnapshots
 from .catalog import Catalog
 from .context import Clock, NodeContext
 from .durable import Durable
-from .envd_client import EnvdClient, EnvdRpc
+from .envd_pool import EnvdPool
 from .fork import Forker
 from .idle import IdleTracker
 from .liveness import Liveness
@@ -107,7 +108,7 @@ class Orchestrator:
         storage: SandboxStorage,
         bundle: EnvdBundle,
         durable: Durable | None = None,
-        envd: EnvdClient | None = None,
+        envd: EnvdPool | None = None,
         clock: Clock | None = None,
     ) -> None:
         self.settings = settings
@@ -115,7 +116,7 @@ class Orchestrator:
         self.context = ctx
         self.storage = storage
         self.bundle = bundle
-        self._envd = envd = envd or EnvdClient()
+        self._envd = envd = envd or EnvdPool()
         base = settings.max_memory_mb or int(_host_memory_mb() * 0.9)
         budget = int(base * settings.memory_overcommit)
         self.table = table = SandboxTable(catalog, budget, settings.max_sandboxes)
@@ -169,11 +170,11 @@ class Orchestrator:
         await self.sampler.stop()
         await self.node.close()
 
-    def envd(self, r: SandboxRecord) -> EnvdRpc:
+    def envd(self, r: SandboxRecord) -> EnvdClient:
         """Process and file calls to a running sandbox's envd, with its access token."""
         if r.address is None:
             raise BadRequest(f"sandbox {r.sandbox_id!r} is not running")
-        return self._envd.rpc(r.address, ENVD_PORT, r.envd_access_token)
+        return self._envd.at(r.address, r.envd_access_token)
 
     async def expose(self, sandbox_id: str, port: int) -> bool:
         """The proxy found `port` refused: asks the sandbox's envd to forward it if a process
@@ -182,9 +183,7 @@ class Orchestrator:
         if r is None or r.state is not SandboxState.RUNNING or r.address is None:
             return False
         try:
-            return await self._envd.forward(
-                r.address, ENVD_PORT, token=r.envd_access_token, target=port
-            )
+            return await self._envd.at(r.address, r.envd_access_token).forward(port)
         except (AenvError, httpx.HTTPError, ValueError) as e:
             log.debug("no forward of port %s of %s: %s", port, sandbox_id, e)
             return False

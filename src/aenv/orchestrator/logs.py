@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from ..domain import ENVD_PORT, SandboxRecord, SandboxState
+from ..domain import SandboxRecord, SandboxState
 from ..errors import AenvError
 from .context import NodeContext
 from .table import SandboxTable
@@ -45,8 +45,14 @@ class LogEntry:
         return f"{self.message} {extra}" if extra else self.message
 
 
+class Journal(Protocol):
+    async def logs(self, after: int) -> dict[str, Any]: ...
+
+
 class JournalSource(Protocol):
-    async def logs(self, host: str, port: int, *, token: str, after: int) -> dict[str, Any]: ...
+    """Where a sandbox's envd journal is read: the envd at an address, with its token."""
+
+    def at(self, host: str, token: str | None = None) -> Journal: ...
 
 
 class SandboxLogs:
@@ -131,9 +137,7 @@ class SandboxLogs:
     async def _read(self, r: SandboxRecord, after: int) -> tuple[int, list[Any]] | None:
         assert r.address is not None
         try:
-            body = await self.envd.logs(
-                r.address, ENVD_PORT, token=r.envd_access_token, after=after
-            )
+            body = await self.envd.at(r.address, r.envd_access_token).logs(after)
         except (AenvError, httpx.HTTPError, ValueError) as e:
             log.debug("envd journal of %s not read: %s", r.sandbox_id, e)
             return None

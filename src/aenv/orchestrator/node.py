@@ -12,7 +12,7 @@ from ..errors import AenvError
 from ..logctx import sandbox_context
 from ..runtime.base import Runtime
 from .context import NodeContext
-from .envd_client import EnvdClient
+from .envd_pool import EnvdPool
 from .liveness import Liveness
 from .pausing import Pauser
 from .pool import WarmPool
@@ -37,7 +37,7 @@ class Node:
     sandboxes: Sandboxes
     pauser: Pauser
     pool: WarmPool
-    envd: EnvdClient
+    envd: EnvdPool
     liveness: Liveness
     recovery: Recovery
     _timer: Periodic = field(init=False)

@@ -10,12 +10,12 @@ import logging
 
 import httpx
 
-from ..domain import ENVD_PORT, SandboxState
+from ..domain import SandboxState
 from ..errors import AenvError
 from ..logctx import sandbox_context
 from ..runtime.base import Instance, Runtime
 from .context import NodeContext
-from .envd_client import EnvdClient
+from .envd_pool import EnvdPool
 from .logs import SandboxLogs
 from .nodeinfo import NodeStats
 from .table import SandboxTable
@@ -29,7 +29,7 @@ class OomGuard:
         ctx: NodeContext,
         table: SandboxTable,
         runtime: Runtime,
-        envd: EnvdClient,
+        envd: EnvdPool,
         logs: SandboxLogs,
         stats: NodeStats,
     ) -> None:
@@ -55,9 +55,7 @@ class OomGuard:
                 if r.instance.id != inst.id or r.address is None:
                     return
                 try:
-                    killed = await self.envd.kill_largest(
-                        r.address, ENVD_PORT, token=r.envd_access_token
-                    )
+                    killed = await self.envd.at(r.address, r.envd_access_token).kill_largest()
                 except (AenvError, httpx.HTTPError, ValueError) as e:
                     log.warning("sandbox %s is out of memory; envd could not kill: %s", sid, e)
                     return

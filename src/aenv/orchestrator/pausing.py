@@ -117,9 +117,7 @@ class Pauser:
                 raise Conflict(f"sandbox {sandbox_id!r} cannot be paused while {r.state}")
             if require_healthy_guest:
                 with t.stage("guest-check"):
-                    ok = await self.booter.envd.healthy(
-                        r.instance.address, ENVD_PORT, GUEST_CHECK_TIMEOUT
-                    )
+                    ok = await self.booter.envd.at(r.instance.address).healthy(GUEST_CHECK_TIMEOUT)
                 if not ok:
                     raise Unavailable(
                         f"sandbox {sandbox_id!r} was not paused: its guest agent (envd) does "
