@@ -10,12 +10,15 @@ import json
 import os
 import stat
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import wait_until
 
 from .conftest import AENV, Server
 
@@ -268,14 +271,30 @@ def test_logs_and_follow(server: Server, sandbox: str) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
+    assert follow.stdout is not None and follow.stderr is not None
+    printed: list[str] = []
+
+    def read() -> None:
+        assert follow.stdout is not None
+        for line in follow.stdout:
+            printed.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
         marker = f"marker-{uuid.uuid4().hex[:8]}"
         run(["exec", sandbox, "--", f"echo {marker} >/dev/null"], env)
-        time.sleep(3)
+        wait_until(
+            lambda: any(marker in line for line in printed),
+            60,
+            0.1,
+            "the follower to print the new process's entries",
+        )
         run(["rm", sandbox], env)
-        out, err = follow.communicate(timeout=60)
-        assert follow.returncode == 0, err
-        seen = [json.loads(x) for x in out.splitlines() if x]
+        assert follow.wait(timeout=60) == 0, follow.stderr.read()
+        reader.join(30)
+        err = follow.stderr.read()
+        seen = [json.loads(x) for x in printed if x.strip()]
         assert len(seen) > len(entries)  # the new process's entries arrived while following
         assert any(marker in json.dumps(e) for e in seen), seen[-5:]
         assert len({json.dumps(e, sort_keys=True) for e in seen}) == len(seen)  # no repeats

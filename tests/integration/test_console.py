@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -163,7 +162,12 @@ def _shot(page: Any, name: str) -> None:
             "() => { document.querySelectorAll('.toast').forEach((t) => t.remove());"
             " window.scrollTo(0, 0); }"
         )
-        time.sleep(0.6)  # let gauges and fresh rows finish their transitions
+        # Gauges and fresh rows finish their transitions (finite ones: a spinner never ends).
+        page.evaluate(
+            "() => Promise.all(document.getAnimations()"
+            ".filter((a) => a.effect && a.effect.getComputedTiming().endTime !== Infinity)"
+            ".map((a) => a.finished.catch(() => null)))"
+        )
         page.screenshot(path=str(DOCS / f"console-{name}.png"))
 
 

@@ -175,6 +175,8 @@ def crash(node: Server, method: str, path: str, body: Any, *, delay: float | Non
     t = threading.Thread(target=send, daemon=True)
     t.start()
     if delay is not None:
+        # The delay is the case itself: a kill at a moment no crash point names, somewhere
+        # inside the request (no event marks "somewhere inside").
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=120) == -signal.SIGKILL

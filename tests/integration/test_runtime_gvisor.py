@@ -16,7 +16,7 @@ import shutil
 import stat
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -31,6 +31,7 @@ from aenv.runtime.gvisor.container import Container
 from aenv.runtime.net.network import SlotAddressing
 from aenv.runtime.rootfs import mount_points
 from tests import netplan
+from tests.helpers import async_wait_until
 
 pytestmark = [
     pytest.mark.integration,
@@ -271,6 +272,25 @@ async def counter(inst: Instance) -> int:
     return (await read_ints(inst, "/tmp/counter"))[0]
 
 
+async def counter_past(
+    inst: Instance, above: int, read: Callable[[Instance], Awaitable[int]] = counter
+) -> int:
+    """Until the sandbox's counter (read by `read`) is past `above`: its processes run. The
+    value."""
+
+    async def past() -> int:
+        n = await read(inst)
+        return n if n > above else 0
+
+    return await async_wait_until(past, 15, 0.05, f"{inst.id}'s counter to pass {above}")
+
+
+async def pool_full(rt: GVisorRuntime) -> None:
+    """Until the slot pool holds all the ready slots it keeps (none left to build)."""
+    pool = rt.pool
+    await async_wait_until(lambda: pool.ready >= pool.size, 60, 0.02, "the slot pool to fill")
+
+
 async def probe(inst: Instance, targets: list[tuple[str, int]]) -> dict[tuple[str, int], bool]:
     """From inside the sandbox, in parallel: does an HTTP request to host:port get an answer?"""
     lines = []
@@ -382,7 +402,7 @@ def host_addresses() -> list[str]:
 
 
 async def test_create_serves_http(runtime: GVisorRuntime, rootfs: Path) -> None:
-    await asyncio.sleep(0.3)  # let the pool fill: this measures a pooled acquire
+    await pool_full(runtime)  # this measures a pooled acquire
     t0 = time.perf_counter()
     inst = await runtime.create(spec([rootfs], "http1", hostname="box1"))
     timed("create (pooled slot)", time.perf_counter() - t0)
@@ -481,8 +501,7 @@ async def test_freeze_thaw(runtime: GVisorRuntime, rootfs: Path) -> None:
         timed("thaw", time.perf_counter() - t0)
         after = await counter(inst)
         assert after >= before
-        await asyncio.sleep(0.5)
-        assert await counter(inst) > after
+        await counter_past(inst, after)  # it goes on
     finally:
         await runtime.destroy(inst)
 
@@ -494,7 +513,8 @@ async def test_checkpoint_and_fork(runtime: GVisorRuntime, rootfs: Path, tmp_pat
     try:
         await wait_http(parent)
         await sh(parent, "echo before > /tmp/marker; echo rootfs > /etc/marker")
-        await asyncio.sleep(0.3)
+        # The counter has run a while: a child that started it again from 0 would be behind.
+        await counter_past(parent, 10)
         image = tmp_path / "image"
         t0 = time.perf_counter()
         await runtime.checkpoint(parent, image, leave_running=True)
@@ -523,9 +543,8 @@ async def test_checkpoint_and_fork(runtime: GVisorRuntime, rootfs: Path, tmp_pat
         assert "only-c0" not in out
         assert "only-c0" not in await sh(parent, "cat /tmp/own; echo end")
         values = [await counter(x) for x in (parent, *children)]
-        await asyncio.sleep(0.6)
-        later = [await counter(x) for x in (parent, *children)]
-        assert all(b > a for a, b in zip(values, later, strict=True)), (values, later)
+        for x, value in zip((parent, *children), values, strict=True):
+            await counter_past(x, value)
         # The layer directory was never written (writes live in the sentry's memory overlay).
         assert tree_digest(rootfs) == before_layer
         assert not any(p.name.startswith(".gvisor") for p in top_level_entries(rootfs))
@@ -662,10 +681,7 @@ async def test_cgroup_limits(runtime: GVisorRuntime, rootfs: Path) -> None:
 
 async def test_slot_pool(runtime: GVisorRuntime) -> None:
     pool = runtime.pool
-    for _ in range(50):
-        if pool.ready >= pool.size:
-            break
-        await asyncio.sleep(0.05)
+    await pool_full(runtime)
     assert pool.ready == pool.size
     t0 = time.perf_counter()
     slot = await pool.acquire()
@@ -703,7 +719,7 @@ async def test_failed_create_and_restore_leave_nothing(
     with pytest.raises(RuntimeFailure):
         await runtime.restore(spec([rootfs], "bad3"), tmp_path / "missing")
     await runtime.wait_idle()
-    await asyncio.sleep(0.3)  # the pool refills what was taken
+    await pool_full(runtime)  # it refilled what was taken: no slot half-built
     after = host_traces(settings)
     assert after["containers"] == before["containers"] == []
     assert not (settings.sandboxes_dir / "bad").exists()
@@ -856,7 +872,8 @@ async def _restack(
         timed(f"restack {tag}: write {big_mb} MiB", time.perf_counter() - t0)
         await sh(parent, "echo parent > /etc/marker; rm /etc/hosts; echo t > /tmp/in-tmp")
         assert file_mib(u0 / "root" / "big") == big_mb
-        await asyncio.sleep(0.3)
+        # The counter has run a while: a restore that started it again would be behind.
+        await counter_past(parent, 10)
         image = tmp_path / "image"
         slot, cid, address = rec(parent).slot, parent.id, parent.address
 
@@ -907,8 +924,7 @@ async def _restack(
         out = await sh(restored, "ls -l /root/big; cat /etc/marker /tmp/in-tmp; cat /etc/hosts")
         assert str(big_mb * MiB) in out and "parent" in out and "t\n" in out
         assert "No such file" in out  # the whiteout in the sealed layer still hides it
-        await asyncio.sleep(0.5)
-        assert await root_counter(restored) > n
+        await counter_past(restored, n, root_counter)
         # New writes (the counter) go to the new upper, not to the sealed layer.
         assert host_counter(u1) > at_checkpoint
         assert not (u1 / "root" / "big").exists()
@@ -936,9 +952,8 @@ async def _restack(
         assert "only-c0" not in await sh(children[1], "cat /root/own")
         assert "only-c" not in await sh(restored, "cat /root/own 2>&1; echo end")
         values = [await root_counter(x) for x in (restored, *children)]
-        await asyncio.sleep(0.5)
-        later = [await root_counter(x) for x in (restored, *children)]
-        assert all(b > a for a, b in zip(values, later, strict=True)), (values, later)
+        for x, value in zip((restored, *children), values, strict=True):
+            await counter_past(x, value, root_counter)
         assert tree_digest(sealed) == sealed_digest  # the sealed layer is never written
     finally:
         await asyncio.gather(
@@ -1173,7 +1188,7 @@ async def test_parallel_restores(
     finally:
         await runtime.destroy(parent)
     await runtime.wait_idle()
-    await asyncio.sleep(0.5)  # the pool refills
+    await pool_full(runtime)
     await _restore_many(runtime, rootfs, tmp_path, tmp_path / "img", n, "p")
 
 
@@ -1202,7 +1217,7 @@ async def test_reconcile_after_crash(
         drop = await rt1.create(spec([rootfs], "rc-drop"))
         await asyncio.gather(wait_http(keep), wait_http(drop))
         await sh(keep, "echo state > /tmp/state")
-        await asyncio.sleep(0.2)
+        await pool_full(rt1)  # the crash leaves a ready pool slot behind
         crash(rt1)
         del rt1
 

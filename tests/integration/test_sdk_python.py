@@ -10,6 +10,8 @@ import pytest
 from e2b import CommandExitException, NotFoundException, Sandbox, SandboxQuery
 from e2b.exceptions import SandboxException
 
+from tests.helpers import wait_until
+
 pytestmark = pytest.mark.integration
 
 
@@ -147,8 +149,10 @@ def test_kill_ends_open_streams_and_is_running(sandboxes: list[object]) -> None:
     cmd = s.commands.run("sleep 600", background=True)
     pty = s.pty.create(PtySize(rows=24, cols=80))
     errors: dict[str, BaseException] = {}
+    waiting: set[str] = set()
 
     def wait(name: str, handle: object) -> None:
+        waiting.add(name)
         try:
             handle.wait()  # type: ignore[attr-defined]
         except BaseException as exc:  # noqa: BLE001 - recorded for the assertions
@@ -160,7 +164,16 @@ def test_kill_ends_open_streams_and_is_running(sandboxes: list[object]) -> None:
     ]
     for t in waiters:
         t.start()
-    time.sleep(0.5)
+    # Both streams are being read and both processes run when the kill comes.
+    wait_until(
+        lambda: (
+            waiting == {"command", "pty"}
+            and {cmd.pid, pty.pid} <= {p.pid for p in s.commands.list()}
+        ),
+        30,
+        0.05,
+        "the command and the PTY to run, their streams read",
+    )
     assert s.kill()
     for t in waiters:
         t.join(60)

@@ -65,6 +65,8 @@ def test_pause_connect_keeps_memory_and_files(e2b_env: Server, sandboxes: list[o
     assert s.pause()
     assert s.get_info().state.value == "paused"
     assert not s.pause()  # already paused → 409 → False
+    # Paused for a while (10 of the counter's ticks): nothing marks "frozen for some time",
+    # and the bound below would catch a counter that went on meanwhile.
     time.sleep(0.5)
     again = Sandbox.connect(s.sandbox_id)
     assert again.files.read("/home/user/note.txt") == "kept"

@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.helpers import wait_until
+
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="envd tests run as root")
 
 STREAM = {"content-type": "application/connect+json", "connect-protocol-version": "1"}
@@ -192,6 +194,8 @@ def test_large_output_with_slow_reader(client: httpx.Client) -> None:
     ) as resp:
         ev = Stream(resp).events()
         next(ev)
+        # The stall is the case: a client that reads nothing for a while (the process writes
+        # meanwhile, past the high-water mark; no event marks "not read for a while").
         time.sleep(1.0)
         total = 0
         tail = b""
@@ -366,9 +370,12 @@ def test_deadline_kills_process(client: httpx.Client) -> None:
         client, bash("echo x; sleep 20", tag="deadline"), {"connect-timeout-ms": "500"}
     )
     assert eos["error"]["code"] == "deadline_exceeded"
-    time.sleep(0.3)
-    procs = rpc(client, "process.Process/List", {}).json()["processes"]
-    assert not [p for p in procs if p.get("tag") == "deadline"]
+
+    def tagged() -> list[dict[str, Any]]:
+        procs = rpc(client, "process.Process/List", {}).json()["processes"]
+        return [p for p in procs if p.get("tag") == "deadline"]
+
+    wait_until(lambda: not tagged(), 10, 0.05, "the process past its deadline to be gone")
     # unary deadline
     r = client.post(
         "/process.Process/List", json={}, headers={**UNARY, "connect-timeout-ms": "5000"}
@@ -514,16 +521,22 @@ def test_watch_dir_stream(client: httpx.Client, tmp_path: Path) -> None:
                 break
         assert seen[0]["name"] == "f.txt" and seen[0]["type"] == "EVENT_TYPE_CREATE"
         assert seen[0]["entry"]["path"] == str(tmp_path / "f.txt")
+        names: list[tuple[str, str]] = []
+
+        def until(event: tuple[str, str]) -> None:
+            for m in ev:
+                if "filesystem" in m:
+                    names.append((m["filesystem"]["name"], m["filesystem"]["type"]))
+                if event in names:
+                    return
+
         (tmp_path / "sub").mkdir()
-        time.sleep(0.1)
-        (tmp_path / "sub" / "inner.txt").write_text("y")
-        names = []
-        for m in ev:
-            if "filesystem" in m:
-                names.append((m["filesystem"]["name"], m["filesystem"]["type"]))
-            if ("sub/inner.txt", "EVENT_TYPE_CREATE") in names:
-                break
+        # Its create is reported once the watcher watches the new directory too.
+        until(("sub", "EVENT_TYPE_CREATE"))
         assert ("sub", "EVENT_TYPE_CREATE") in names
+        (tmp_path / "sub" / "inner.txt").write_text("y")
+        until(("sub/inner.txt", "EVENT_TYPE_CREATE"))
+        assert ("sub/inner.txt", "EVENT_TYPE_CREATE") in names
 
 
 def test_watcher_polling(client: httpx.Client, tmp_path: Path) -> None:
@@ -533,11 +546,14 @@ def test_watcher_polling(client: httpx.Client, tmp_path: Path) -> None:
     (tmp_path / "a").rename(tmp_path / "b")
     os.chmod(tmp_path / "b", 0o600)
     (tmp_path / "b").unlink()
-    time.sleep(0.2)
-    events = rpc(client, "filesystem.Filesystem/GetWatcherEvents", {"watcherId": wid}).json()[
-        "events"
-    ]
-    kinds = [(e["name"], e["type"]) for e in events]
+    kinds: list[tuple[str, str]] = []
+
+    def removed() -> bool:
+        r = rpc(client, "filesystem.Filesystem/GetWatcherEvents", {"watcherId": wid})
+        kinds.extend((e["name"], e["type"]) for e in r.json().get("events", []))
+        return ("b", "EVENT_TYPE_REMOVE") in kinds  # the last change: the others came first
+
+    wait_until(removed, 10, 0.02, "the watcher to report the remove")
     for expected in [
         ("a", "EVENT_TYPE_CREATE"),
         ("a", "EVENT_TYPE_WRITE"),

@@ -10,13 +10,12 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers import SRC, free_port, wait_healthy
+from tests.helpers import SRC, free_port, wait_healthy, wait_until
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare(1)"
@@ -69,8 +68,14 @@ def test_bundle_name_as_pid1(tmp_path: Path) -> None:
         assert "aenv_envd" in _run(url, "tr '\\0' ' ' < /proc/1/cmdline")
         assert _run(url, "echo $PPID").strip() != "1"
         # an orphaned grandchild is re-parented to PID 1 and reaped there
-        _run(url, "(sleep 0.2 &) ; echo spawned")
-        time.sleep(0.8)
+        orphan = int(_run(url, "(sleep 0.2 >/dev/null 2>&1 & echo $!)"))
+        # Gone from /proc once reaped (a zombie keeps its entry).
+        wait_until(
+            lambda: "gone" in _run(url, f"test -e /proc/{orphan} || echo gone"),
+            10,
+            0.05,
+            "the orphan to exit and be reaped",
+        )
         states = _run(url, "cat /proc/[0-9]*/stat 2>/dev/null | awk '{print $3}'")
         assert "Z" not in states.split()
         # SIGTERM to PID 1 is forwarded; everything exits cleanly

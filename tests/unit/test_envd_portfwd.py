@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from aenv.envd.portfwd import PortForwarder, _Table, parse_listeners, plan
+from tests.helpers import async_wait_until
 
 # Captured from gVisor (runsc do): 127.0.0.1:8123, 0.0.0.0:8125, an established socket.
 TCP = """\
@@ -150,18 +151,19 @@ async def test_forwarder_reads_the_tables_only_when_asked_or_while_forwarding(
     fwd = PortForwarder(host="127.0.0.9", interval=0.05)
     task = asyncio.create_task(fwd.run())
     try:
-        await asyncio.sleep(0.3)
+        # Nothing happening is the case here: six sweep intervals, in which an idle
+        # forwarder that polled anyway would have read the tables (no event to wait for).
+        await asyncio.sleep(6 * fwd.interval)
         assert reads == []  # nothing asked, nothing open: no reads at all
         assert await fwd.forward(port + 1 if port < 65535 else port - 1) is False
         assert await fwd.forward(port) is True
-        await asyncio.sleep(0.3)
-        swept = len(reads)
-        assert swept >= 6  # sweeping while the forward is open
+        asked = len(reads)
+        # Sweeping while the forward is open: three sweeps (two tables each) of its own.
+        await async_wait_until(lambda: len(reads) >= asked + 6, 10, 0.01, "three sweeps")
         table["listeners"] = [("127.0.0.9", port)]
-        await asyncio.sleep(0.3)
-        assert fwd.servers == {}
+        await async_wait_until(lambda: fwd.servers == {}, 10, 0.01, "the forward to close")
         settled = len(reads)
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(6 * fwd.interval)  # as above: six intervals without a sweep
         assert len(reads) == settled  # none open: the sweeping stopped
     finally:
         task.cancel()

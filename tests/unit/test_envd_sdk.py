@@ -234,10 +234,16 @@ def test_files(sbx: Any, tmp_path: Path) -> None:
 def test_watch_dir(sbx: Any, tmp_path: Path) -> None:
     handle = sbx.files.watch_dir(str(tmp_path), user="root", recursive=True)
     (tmp_path / "new.txt").write_text("data")
-    time.sleep(0.2)
-    events = handle.get_new_events()
-    handle.stop()
-    kinds = {(e.name, e.type.name) for e in events}
+    kinds: set[tuple[str, str]] = set()
+
+    def written() -> bool:
+        kinds.update((e.name, e.type.name) for e in handle.get_new_events())
+        return ("new.txt", "WRITE") in kinds
+
+    try:
+        wait_until(written, 10, 0.02, "the watch to report the write")
+    finally:
+        handle.stop()
     assert ("new.txt", "CREATE") in kinds and ("new.txt", "WRITE") in kinds
 
 

@@ -490,9 +490,12 @@ def test_interactive_shell_in_a_pty(env: Env) -> None:
         # window size changes are passed on
         fcntl.ioctl(t.master, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
         t.proc.send_signal(signal.SIGWINCH)
-        time.sleep(0.3)
-        t.send(b"stty size\n")
-        assert b"40 120" in t.expect(b"<0># ")
+
+        def resized() -> bool:
+            t.send(b"stty size\n")
+            return b"40 120" in t.expect(b"<0># ")
+
+        wait_until(resized, 10, 0.05, "the new window size inside")
         t.send(b"exit 4\n")
         assert t.proc.wait(10) == 4
         assert b"no job control" not in t.buf

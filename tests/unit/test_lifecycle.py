@@ -373,16 +373,20 @@ async def test_concurrent_pauses_one_wins(node: Harness) -> None:
 
 async def test_snapshot_and_kill_do_not_interleave(node: Harness) -> None:
     r = await node.orch.sandboxes.create(CreateRequest())
-    release = asyncio.Event()
+    other = await node.orch.sandboxes.create(CreateRequest())
+    held, release = asyncio.Event(), asyncio.Event()
 
     async def hold(_call: object) -> None:
+        held.set()
         await release.wait()
 
     node.runtime.before("checkpoint", hold)
     snap = asyncio.create_task(node.orch.snapshotter.snapshot(r.sandbox_id))
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(held.wait(), 10)  # the snapshot is inside, holding the lock
     kill = asyncio.create_task(node.orch.sandboxes.kill(r.sandbox_id))
-    await asyncio.sleep(0.01)
+    # A whole kill of another sandbox, started after it: time enough for this one too, had
+    # it not been waiting.
+    await node.orch.sandboxes.kill(other.sandbox_id)
     assert not kill.done()  # waits for the snapshot's lock
     release.set()
     made = await snap

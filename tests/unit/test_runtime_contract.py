@@ -14,6 +14,7 @@ from aenv.errors import RuntimeFailure
 from aenv.runtime.base import Instance, Runtime
 from aenv.runtime.fake import Call, FakeHost, FakeRuntime, FakeState
 from tests.contract.runtime_contract import RuntimeContract, Specs
+from tests.helpers import async_wait_until
 
 
 @pytest.fixture
@@ -98,7 +99,7 @@ async def test_before_hook_can_hold_an_operation(runtime: FakeRuntime, specs: Sp
 
     runtime.before("stop", hold)
     stopping = asyncio.create_task(runtime.stop(inst))
-    await asyncio.sleep(0.01)
+    await async_wait_until(lambda: seen, 10, 0.001, "the stop to reach its hook")
     assert not stopping.done() and runtime.state(inst) is FakeState.RUNNING
     gate.set()
     await stopping
