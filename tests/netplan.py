@@ -10,7 +10,7 @@ crashed session's leftovers are purged by the next session that takes its number
 Ranges, clear of the node's default 10.200.0.0/16 and of the 10.64.0.0/10 nodes with an id
 derive theirs from: slot ranges are /20s (1024 slots) in 10.234.0.0-10.249.255.255, 32 per
 session; the fake internet's targets a /27 of 203.0.113.0/24, the fake LAN a /27 of
-198.51.100.0/24 and the host's links /30s of 192.0.2.0/24, one block per session.
+198.51.100.0/24 and the host's links /30s of 10.250.<session>.0/24.
 """
 
 from __future__ import annotations
@@ -106,9 +106,11 @@ class Link:
 
 
 def link(n: int) -> Link:
-    """This session's n-th link (0 or 1): two per session in 192.0.2.0/24."""
+    """This session's n-th link (0 or 1): /30s of 10.250.<session>.0/24. Not a documentation
+    range: a machine may sit on one (this one's uplink is 192.0.2.0/24), and a host's own
+    networks are what sandboxes must never reach."""
     assert n in (0, 1)
-    sub = list(_block("192.0.2.0/24", 27).subnets(new_prefix=30))[n]
+    sub = list(_block("10.250.0.0/16", 24).subnets(new_prefix=30))[n]
     hosts = list(sub.hosts())
     return Link(str(hosts[0]), str(hosts[1]))
 

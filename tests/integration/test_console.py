@@ -56,6 +56,9 @@ def _needs() -> None:
         pytest.skip("the console's front-end packages are not installed (make install)")
 
 
+NODE_ID = f"{netplan.name('con')}-node"  # this test session's
+
+
 @pytest.fixture(scope="module")
 def cluster_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     _needs()
@@ -70,7 +73,7 @@ def node(cluster_redis: RedisServer) -> Iterator[Server]:
         *netplan.slot_net("con").astuple(),
         AENV_HIBERNATE_AFTER="5",
         AENV_REDIS_URL=cluster_redis.url,
-        AENV_NODE_ID=f"{netplan.name('con')}-node",
+        AENV_NODE_ID=NODE_ID,
         AENV_HEARTBEAT_SECONDS="1",
     ) as srv:
         yield srv
@@ -354,5 +357,5 @@ def test_the_console_through_a_gateway(
     _terminal_shows(page, "via-gateway-42")
 
     page.click("nav a[href$='/nodes']")
-    card = page.wait_for_selector("#nodes .card.node[data-node-id='aecon-node']")
+    card = page.wait_for_selector(f"#nodes .card.node[data-node-id='{NODE_ID}']")
     assert card is not None and node.url in card.inner_text()  # the gateway's view: address
