@@ -229,7 +229,7 @@ async def test_lifespan_starts_and_closes_the_node(tmp_path: Path) -> None:
         assert h.runtime.ops() == []
         await inbox.put({"type": "lifespan.startup"})
         assert (await outbox.get())["type"] == "lifespan.startup.complete"
-        assert h.runtime.ops() == ["start"]  # the runtime recovered what a last run left
+        assert h.runtime.ops()[:1] == ["start"]  # recovery of what a last run left
         async with api_client(h) as c:  # and the node takes sandboxes
             assert (await c.post("/v2/sandboxes", json={"templateID": "base"})).status_code == 201
         assert not h.orch.context.closing

@@ -64,7 +64,8 @@ async def test_timeout_and_refresh(client: httpx.AsyncClient, node: Harness) -> 
     node.clock.advance(100)
     assert (await client.post(f"/sandboxes/{sid}/refreshes")).status_code == 204
     assert await end_at() == timedelta(seconds=100 + node.settings.default_timeout)
-    assert (await client.post(f"/sandboxes/{sid}/refreshes", json={"duration": 10})).status_code
+    r = await client.post(f"/sandboxes/{sid}/refreshes", json={"duration": 10})
+    assert r.status_code == 204
     assert await end_at() == timedelta(seconds=100 + node.settings.default_timeout)
     assert_error(await client.post(f"/sandboxes/{sid}/refreshes", json={"duration": 3601}), 400)
 
