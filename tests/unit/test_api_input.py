@@ -1,5 +1,6 @@
 """Input the API once accepted and that then broke a sandbox (or every later list) is refused
-with a 400 in E2B's error shape, before anything reaches the orchestrator."""
+with a 400 in E2B's error shape, before the node (a real orchestrator on the fake runtime)
+makes or touches a sandbox."""
 
 from __future__ import annotations
 
@@ -15,25 +16,21 @@ from aenv.api.inputs import (
     MAX_METADATA_TOTAL_BYTES,
     MAX_METADATA_VALUE_BYTES,
 )
-from aenv.config import Settings
+from aenv.domain import SandboxState as State
 from aenv.envd.envrules import MAX_ENV_TOTAL_BYTES, MAX_ENV_VALUE_BYTES, env_problem
-from aenv.server import node_app
-from tests.unit.test_api import API_KEY, FakeOrchestrator, assert_error
+from tests.node_harness import Harness, started
+from tests.unit.api_node import API_KEY, api_client, assert_error, assert_nothing_created, running
 
 
 @pytest.fixture
-def orch() -> FakeOrchestrator:
-    return FakeOrchestrator()
+async def node(tmp_path: Path) -> AsyncIterator[Harness]:
+    async for h in started(tmp_path, api_key=API_KEY):
+        yield h
 
 
 @pytest.fixture
-async def client(tmp_path: Path, orch: FakeOrchestrator) -> AsyncIterator[httpx.AsyncClient]:
-    app = node_app(Settings(api_key=API_KEY, home=tmp_path), orch)  # type: ignore[arg-type]
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app),
-        base_url="http://test",
-        headers={"X-API-Key": API_KEY},
-    ) as c:
+async def client(node: Harness) -> AsyncIterator[httpx.AsyncClient]:
+    async with api_client(node) as c:
         yield c
 
 
@@ -61,14 +58,14 @@ BAD_ENV: list[tuple[dict[str, Any], str]] = [
 @pytest.mark.parametrize("env, needle", BAD_ENV)
 async def test_create_refuses_env_vars_no_process_could_have(
     client: httpx.AsyncClient,
-    orch: FakeOrchestrator,
+    node: Harness,
     path: str,
     env: dict[str, Any],
     needle: str,
 ) -> None:
     err = assert_error(await client.post(path, json=_create_body(path, envVars=env)), 400)
     assert "envVars" in err["message"] and needle in err["message"]
-    assert orch.requests == []
+    assert_nothing_created(node)
 
 
 BAD_METADATA: list[tuple[Any, str]] = [
@@ -90,18 +87,18 @@ BAD_METADATA: list[tuple[Any, str]] = [
 @pytest.mark.parametrize("metadata, needle", BAD_METADATA)
 async def test_create_refuses_oversized_or_malformed_metadata(
     client: httpx.AsyncClient,
-    orch: FakeOrchestrator,
+    node: Harness,
     path: str,
     metadata: Any,
     needle: str,
 ) -> None:
     err = assert_error(await client.post(path, json=_create_body(path, metadata=metadata)), 400)
     assert "metadata" in err["message"] and needle in err["message"]
-    assert orch.requests == []
+    assert_nothing_created(node)
 
 
 async def test_create_takes_env_and_metadata_at_the_bounds(
-    client: httpx.AsyncClient, orch: FakeOrchestrator
+    client: httpx.AsyncClient, node: Harness
 ) -> None:
     env = {"PATHLIKE": "/x:" * 100, "EMPTY": "", "BIG": "y" * MAX_ENV_VALUE_BYTES, "ü": "ß"}
     metadata = {f"k{i}": "v" * 900 for i in range(MAX_METADATA_KEYS)}
@@ -109,8 +106,10 @@ async def test_create_takes_env_and_metadata_at_the_bounds(
         "/v2/sandboxes", json={"templateID": "base", "envVars": env, "metadata": metadata}
     )
     assert r.status_code == 201, r.text
-    assert orch.requests[-1].env_vars == env
-    assert orch.requests[-1].metadata == metadata
+    rec = node.orch.table.get(r.json()["sandboxID"])
+    assert (rec.env_vars, rec.metadata) == (env, metadata)
+    (_, init), *_ = node.envd.inits  # what envd was given for the sandbox's processes
+    assert init["env_vars"] == {"LANG": "C.UTF-8", **env}
     listed = (await client.get("/v2/sandboxes")).json()
     assert listed[0]["metadata"] == metadata
 
@@ -133,14 +132,14 @@ async def test_create_takes_env_and_metadata_at_the_bounds(
     ],
 )
 async def test_create_refuses_wrong_types(
-    client: httpx.AsyncClient, orch: FakeOrchestrator, field: str, value: Any
+    client: httpx.AsyncClient, node: Harness, field: str, value: Any
 ) -> None:
     # `secure` is v1's alone (v2 ignores it, as unknown fields).
     for path in ("/sandboxes",) if field == "secure" else ("/sandboxes", "/v2/sandboxes"):
         body = {"templateID": "base", field: value}
         err = assert_error(await client.post(path, json=body), 400)
         assert field in err["message"]
-    assert orch.requests == []
+    assert_nothing_created(node)
 
 
 @pytest.mark.parametrize(
@@ -162,21 +161,23 @@ async def test_create_refuses_wrong_types(
     ],
 )
 async def test_lifecycle_bodies_refuse_wrong_types(
-    client: httpx.AsyncClient, orch: FakeOrchestrator, path: str, body: Any, needle: str
+    client: httpx.AsyncClient, node: Harness, path: str, body: Any, needle: str
 ) -> None:
-    rec = orch.add()
+    rec = await running(node)
+    end_at, calls = rec.end_at, len(node.runtime.calls)
     r = await client.post(path.format(id=rec.sandbox_id), json=body)
     assert needle in assert_error(r, 400)["message"]
-    # Nothing reached the sandbox: still running, no lifecycle call recorded.
-    assert [c for c in orch.calls if c[0] != "list"] == []
+    # Nothing reached the sandbox: still running, its timeout as it was, the runtime not
+    # called.
+    assert (rec.state, rec.end_at, len(node.runtime.calls)) == (State.RUNNING, end_at, calls)
 
 
 async def test_a_mebibyte_env_value_is_refused_before_it_is_read(
-    client: httpx.AsyncClient, orch: FakeOrchestrator
+    client: httpx.AsyncClient, node: Harness
 ) -> None:
     body = {"templateID": "base", "envVars": {"BIG": "x" * (1 << 20)}}
     assert_error(await client.post("/v2/sandboxes", json=body), 413)
-    assert orch.requests == []
+    assert_nothing_created(node)
 
 
 def test_env_rules_accept_what_a_shell_takes() -> None:

@@ -10,26 +10,29 @@ from pathlib import Path
 
 import httpx
 import pytest
+from starlette.types import ASGIApp
 
 from aenv.config import Settings
 from aenv.console import STATIC_DIR, VENDOR_DIR, VENDOR_FILES, console_app
 from aenv.console.app import Console
-from aenv.server import gateway_app, node_app
-from tests.unit.test_api import FakeOrchestrator
+from aenv.server import gateway_app
+from tests.node_harness import started
+from tests.unit.api_node import api_client
 
 API_KEY = "e2b_console_unit_key"
 HTML = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
 
 
-def _client(app: object) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")  # type: ignore[arg-type]
+def _client(app: ASGIApp) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
 @pytest.fixture
 async def node(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
-    app = node_app(Settings(api_key=API_KEY, home=tmp_path), FakeOrchestrator())  # type: ignore[arg-type]
-    async with _client(app) as c:
-        yield c
+    """The node's app (a real orchestrator on the fake runtime), no key sent."""
+    async for h in started(tmp_path, api_key=API_KEY):
+        async with api_client(h, key=None) as c:
+            yield c
 
 
 def _vendor_tree(root: Path) -> Path:

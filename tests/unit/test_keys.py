@@ -18,9 +18,8 @@ import aenv.keys
 from aenv.config import Settings
 from aenv.errors import BadRequest, Conflict, NotFound
 from aenv.keys import KeyStore
-from aenv.server import node_app
-from tests.helpers import uvicorn_thread
-from tests.unit.test_api import FakeOrchestrator, assert_error
+from tests.node_harness import Harness, build, started
+from tests.unit.api_node import api_client, assert_error, served
 
 FIXED_KEY = "e2b_fixed_key_from_the_environment"
 
@@ -192,16 +191,20 @@ def test_a_broken_file_authenticates_nobody(store: KeyStore) -> None:
 
 
 @pytest.fixture
-def settings(tmp_path: Path) -> Settings:
-    return Settings(home=tmp_path, api_key=None)
+async def node(tmp_path: Path) -> AsyncIterator[Harness]:
+    """A node (a real orchestrator on the fake runtime) without AENV_API_KEY."""
+    async for h in started(tmp_path, api_key=None):
+        yield h
 
 
 @pytest.fixture
-async def client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    app = node_app(settings, FakeOrchestrator())  # type: ignore[arg-type]
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://test"
-    ) as c:
+def settings(node: Harness) -> Settings:
+    return node.settings
+
+
+@pytest.fixture
+async def client(node: Harness) -> AsyncIterator[httpx.AsyncClient]:
+    async with api_client(node, key=None) as c:
         yield c
 
 
@@ -235,20 +238,20 @@ async def test_wrong_and_revoked_keys_get_e2b_401(
 
 
 async def test_the_environment_key_always_works(tmp_path: Path) -> None:
-    settings = Settings(home=tmp_path, api_key=FIXED_KEY)
-    store = KeyStore.of(settings)
-    key, _ = store.create("ci")
-    store.remove("ci", allow_last=True)
-    app = node_app(settings, FakeOrchestrator())  # type: ignore[arg-type]
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-        for headers in ({"X-API-Key": FIXED_KEY}, {"Authorization": f"Bearer {FIXED_KEY}"}):
-            assert (await c.get("/sandboxes", headers=headers)).status_code == 200
-        assert_error(await c.get("/sandboxes", headers={"X-API-Key": key}), 401)
+    async for h in started(tmp_path, api_key=FIXED_KEY):
+        store = KeyStore.of(h.settings)
+        key, _ = store.create("ci")
+        store.remove("ci", allow_last=True)
+        async with api_client(h, key=None) as c:
+            for headers in ({"X-API-Key": FIXED_KEY}, {"Authorization": f"Bearer {FIXED_KEY}"}):
+                assert (await c.get("/sandboxes", headers=headers)).status_code == 200
+            assert_error(await c.get("/sandboxes", headers={"X-API-Key": key}), 401)
 
 
-def test_server_start_generates_the_default_key(settings: Settings) -> None:
-    app = node_app(settings, FakeOrchestrator())  # type: ignore[arg-type]
-    with uvicorn_thread(app) as url:  # runs the lifespan, as `aenv server` does
+def test_server_start_generates_the_default_key(tmp_path: Path) -> None:
+    h = build(tmp_path, api_key=None)
+    settings = h.settings
+    with served(h) as url:  # runs the lifespan, as `aenv server` does
         key = settings.api_key_file.read_text().strip()
         assert re.fullmatch(r"e2b_[0-9a-f]{40}", key)
         r = httpx.get(f"{url}/sandboxes", headers={"X-API-Key": key})
@@ -257,8 +260,8 @@ def test_server_start_generates_the_default_key(settings: Settings) -> None:
 
 
 def test_no_key_is_generated_beside_the_environment_key(tmp_path: Path) -> None:
-    settings = Settings(home=tmp_path, api_key=FIXED_KEY)
-    app = node_app(settings, FakeOrchestrator())  # type: ignore[arg-type]
-    with uvicorn_thread(app):
+    h = build(tmp_path, api_key=FIXED_KEY)
+    settings = h.settings
+    with served(h):
         pass
     assert not settings.api_key_file.exists() and not settings.api_keys_file.exists()

@@ -19,11 +19,10 @@ from aenv.cli.main import app
 from aenv.config import Settings
 from aenv.errors import AenvError
 from aenv.keys import KeyStore
-from aenv.server import node_app
 from aenv.serving import check_tls
-from tests.helpers import uvicorn_thread
+from tests.node_harness import build
 from tests.tls import make_certs
-from tests.unit.test_api import FakeOrchestrator
+from tests.unit.api_node import served
 
 FIXED_KEY = "e2b_fixed_key_of_the_tls_server"
 
@@ -192,12 +191,12 @@ def test_server_refuses_half_a_tls_config(cli: CliRunner, monkeypatch: pytest.Mo
 
 @pytest.fixture
 def https_node(home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A control plane (fake orchestrator) on HTTPS, and the CLI's environment on its host."""
+    """A node (a real orchestrator on the fake runtime) on HTTPS, and the CLI's environment
+    on its host."""
     tls = make_certs(home / "tls")
     cert, key = tls.cert, tls.key
-    settings = Settings(home=home, api_key=FIXED_KEY, tls_cert=cert, tls_key=key)
-    control = node_app(settings, FakeOrchestrator())  # type: ignore[arg-type]
-    with uvicorn_thread(control, ssl_certfile=str(cert), ssl_keyfile=str(key)) as url:
+    node = build(home, api_key=FIXED_KEY, tls_cert=cert, tls_key=key)
+    with served(node, ssl_certfile=str(cert), ssl_keyfile=str(key)) as url:
         port = url.rsplit(":", 1)[1]
         for name, value in {
             "AENV_LISTEN": f"127.0.0.1:{port}",

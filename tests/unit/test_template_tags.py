@@ -1,11 +1,11 @@
-"""Template tags over a real catalog (builds/tags.py) and the image-alias table: which
-build each name resolves to as builds, assignments and removals come and go."""
+"""Template tags (builds/tags.py) over a real orchestrator's template registry, and the
+image-alias table: which build each name resolves to as builds, assignments and removals
+come and go."""
 
 from __future__ import annotations
 
-import asyncio
-import builtins
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,47 +16,32 @@ from aenv.builds.tags import Tags, build_id_of, check_tags
 from aenv.config import DEFAULT_IMAGE_ALIASES, Settings
 from aenv.domain import BuildInfo, TemplateKind, TemplateRecord
 from aenv.errors import BadRequest, NotFound
-from aenv.orchestrator.catalog import Catalog
+from tests.node_harness import Harness, started
 
 
-class _Templates:
-    """The template registry's calls, over a real catalog."""
-
-    def __init__(self, catalog: Catalog) -> None:
-        self.catalog = catalog
-
-    async def find(self, id_or_name: str) -> TemplateRecord | None:
-        return await asyncio.to_thread(self.catalog.template, id_or_name)
-
-    async def all(self) -> builtins.list[TemplateRecord]:
-        return await asyncio.to_thread(self.catalog.templates)
-
-    async def register(
-        self, rec: TemplateRecord, *, publish: bool = True, exact_names: bool = False
-    ) -> None:
-        self.catalog.put_template(rec, exact_names=exact_names)
+@pytest.fixture
+async def node(tmp_path: Path) -> AsyncIterator[Harness]:
+    """A real orchestrator (its template registry, catalog and layer holds) on the fake
+    runtime; it has the template `base`."""
+    async for h in started(tmp_path):
+        yield h
 
 
-class _Orch:
-    """The template calls of the orchestrator, over a real catalog."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.catalog = Catalog(tmp / "catalog.db")
-        self.templates = _Templates(self.catalog)
-
-    async def delete_template(self, template_id: str) -> None:
-        if not self.catalog.delete_template(template_id):
-            raise NotFound(template_id)
+@pytest.fixture
+def tags(node: Harness) -> Tags:
+    return Tags(BuildStore(node.home / "builds.db"), node.orch)
 
 
 TID = "tapp0000000000000000"
+# Layers by digest (the registry holds them, by name only: no layer is read here).
+L1, L2, L3 = (f"sha256:{c * 64}" for c in "123")
 
 
-async def _build(tags: Tags, orch: _Orch, layer: str, build_tags: list[str]) -> str:
+async def _build(tags: Tags, node: Harness, layer: str, build_tags: list[str]) -> str:
     """What finalize does with a finished build: returns its build id."""
     bid = str(uuid.uuid4())
     async with tags.placing(TID, bid, build_tags) as target:
-        await orch.templates.register(
+        await node.orch.templates.register(
             TemplateRecord(
                 template_id=target,
                 kind=TemplateKind.TEMPLATE,
@@ -68,44 +53,45 @@ async def _build(tags: Tags, orch: _Orch, layer: str, build_tags: list[str]) -> 
     return bid
 
 
-def _layer(orch: _Orch, name: str) -> str | None:
-    rec = orch.catalog.template(name)
+def _layer(node: Harness, name: str) -> str | None:
+    rec = node.catalog.template(name)
     return rec.layers[0] if rec else None
 
 
-async def test_tags_pin_builds_while_the_default_moves(tmp_path: Path) -> None:
-    orch = _Orch(tmp_path)
-    tags = Tags(BuildStore(tmp_path / "builds.db"), orch)  # type: ignore[arg-type]
+def _templates(node: Harness) -> list[str]:
+    return sorted(t.template_id for t in node.catalog.templates())
 
+
+async def test_tags_pin_builds_while_the_default_moves(tags: Tags, node: Harness) -> None:
     # The first build takes its tag and, the template having none, the default.
-    b1 = await _build(tags, orch, "sha256:1", ["v1"])
+    b1 = await _build(tags, node, L1, ["v1"])
     assert {r.tag: r.build_id for r in await tags.rows(TID)} == {"v1": b1, "default": b1}
-    assert _layer(orch, "app") == _layer(orch, "app:v1") == _layer(orch, f"app:{b1}") == "sha256:1"
+    assert _layer(node, "app") == _layer(node, "app:v1") == _layer(node, f"app:{b1}") == L1
 
     # An untagged build moves the default; v1 stays on the first build.
-    b2 = await _build(tags, orch, "sha256:2", [])
-    assert _layer(orch, "app") == _layer(orch, "app:default") == "sha256:2"
-    assert _layer(orch, "app:v1") == _layer(orch, f"app:{b1}") == "sha256:1"
-    assert _layer(orch, f"app:{b2}") == "sha256:2"
+    b2 = await _build(tags, node, L2, [])
+    assert _layer(node, "app") == _layer(node, "app:default") == L2
+    assert _layer(node, "app:v1") == _layer(node, f"app:{b1}") == L1
+    assert _layer(node, f"app:{b2}") == L2
     # One template for the user: its own record, and a pinned one behind the tag.
-    pinned = orch.catalog.template("app:v1")
+    pinned = node.catalog.template("app:v1")
     assert pinned is not None and pinned.template_id != TID
 
     # Another tag on the pinned build; then removing both drops that build.
     assert await tags.assign(TID, "v1", ["prod"]) == b1
-    assert _layer(orch, "app:prod") == "sha256:1"
+    assert _layer(node, "app:prod") == L1
     await tags.remove(TID, ["v1", "prod"])
-    assert orch.catalog.template("app:v1") is None and orch.catalog.template(f"app:{b1}") is None
-    assert [t.template_id for t in orch.catalog.templates()] == [TID]
+    assert node.catalog.template("app:v1") is None and node.catalog.template(f"app:{b1}") is None
+    assert _templates(node) == ["base", TID]
 
     # A tagged build of a template that has a default leaves the default alone ...
-    b3 = await _build(tags, orch, "sha256:3", ["v3"])
-    assert _layer(orch, "app") == "sha256:2" and _layer(orch, "app:v3") == "sha256:3"
+    b3 = await _build(tags, node, L3, ["v3"])
+    assert _layer(node, "app") == L2 and _layer(node, "app:v3") == L3
     # ... until the default is assigned to it: the build nobody tags any more is dropped.
     assert await tags.assign(TID, "v3", ["default"]) == b3
-    assert _layer(orch, "app") == _layer(orch, "app:v3") == "sha256:3"
-    assert orch.catalog.template(f"app:{b2}") is None
-    assert [t.template_id for t in orch.catalog.templates()] == [TID]
+    assert _layer(node, "app") == _layer(node, "app:v3") == L3
+    assert node.catalog.template(f"app:{b2}") is None
+    assert _templates(node) == ["base", TID]
     assert {r.tag for r in await tags.rows(TID)} == {"default", "v3"}
 
     with pytest.raises(NotFound, match="does not exist"):
@@ -113,20 +99,19 @@ async def test_tags_pin_builds_while_the_default_moves(tmp_path: Path) -> None:
     await tags.forget(TID)
 
 
-async def test_tags_of_a_template_made_before_tags(tmp_path: Path) -> None:
-    """A record without tag rows (older node, `base`): its default and `name:tag` names."""
-    orch = _Orch(tmp_path)
-    tags = Tags(BuildStore(tmp_path / "builds.db"), orch)  # type: ignore[arg-type]
-    rec = TemplateRecord(
-        template_id="base", kind=TemplateKind.TEMPLATE, layers=["sha256:b"], names=["base"]
-    )
-    await orch.templates.register(rec)
+async def test_tags_of_a_template_made_before_tags(tags: Tags, node: Harness) -> None:
+    """A record without tag rows (older node, the harness's `base`): its default and
+    `name:tag` names."""
+    rec = node.catalog.template("base")
+    assert rec is not None
     rows = await tags.rows("base")
     assert [r.tag for r in rows] == ["default"]
     bid = build_id_of(rec)
     assert rows[0].build_id == bid and str(uuid.UUID(bid)) == bid  # the SDK wants a UUID
     await tags.assign("base", None, ["stable"])
-    assert orch.catalog.template("base:stable") == orch.catalog.template("base")
+    stable = node.catalog.template("base:stable")
+    assert stable is not None and stable.layers == rec.layers
+    assert stable == node.catalog.template("base")
 
 
 @pytest.mark.parametrize("bad", [":invalid-tag", "app:", "", "a b", "x" * 65])
