@@ -77,6 +77,9 @@ def uvicorn_config(app: ASGIApp, settings: Settings, ws_options: dict[str, Any])
         host=settings.host,
         port=settings.port,
         log_level="warning",
+        # uvicorn's own lines go through the process's handler (`logctx.configure`), so
+        # `AENV_LOG_FORMAT=json` holds for them too.
+        log_config=None,
         access_log=False,
         lifespan="on",
         timeout_keep_alive=75,
