@@ -28,7 +28,7 @@ CONSOLE_STAMP := $(CONSOLE)/node_modules/.aenv-installed
 console: $(CONSOLE_STAMP)
 
 $(CONSOLE_STAMP): $(CONSOLE)/package.json $(CONSOLE)/package-lock.json
-	@cd $(CONSOLE) && npm ci --omit=dev --no-audit --no-fund --loglevel=error
+	@cd $(CONSOLE) && npm ci --omit=dev --ignore-scripts --no-audit --no-fund --loglevel=error
 	@touch $@
 
 base: venv

@@ -150,9 +150,26 @@ def test_installed_vendor_files_match_the_lock() -> None:
     if not VENDOR_DIR.exists():
         pytest.skip("front-end packages not installed (make install)")
     assert not Console().vendor_missing()
-    for package in ("@xterm/xterm", "@xterm/addon-fit"):
+    for package in ("@xterm/xterm", "@xterm/addon-fit", "swagger-ui-dist"):
         installed = json.loads((VENDOR_DIR / package / "package.json").read_text())["version"]
         assert installed == lock["packages"][f"node_modules/{package}"]["version"]
+
+
+async def test_the_api_reference_loads_nothing_from_outside(node: httpx.AsyncClient) -> None:
+    """`/docs` (no key, like the page): Swagger UI whose script, styles and icon are the
+    node's own pinned files, so it is not blank offline."""
+    page = await node.get("/docs")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    refs = re.findall(r"""(?:src|href)=["']([^"']+)|url: ?['"]([^'"]+)""", page.text)
+    urls = [u for pair in refs for u in pair if u]
+    assert "/openapi.json" in urls and len(urls) >= 4, urls
+    assert not [u for u in urls if "://" in u or u.startswith("//")], urls
+    if not VENDOR_DIR.exists():
+        pytest.skip("front-end packages not installed (make install)")
+    for url in urls:
+        r = await node.get(url)
+        assert r.status_code == 200, url
+        assert r.content, url
 
 
 async def test_root_redirects_browsers_only(node: httpx.AsyncClient) -> None:

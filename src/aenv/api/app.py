@@ -25,6 +25,7 @@ from .limits import BodyLimit
 from .routes import (
     builds,
     cluster,
+    docs,
     health,
     images,
     observability,
@@ -50,6 +51,9 @@ def create_control_app(
         version=__version__,
         description="E2B-compatible control plane for gVisor sandboxes.",
         openapi_url="/openapi.json",
+        # Its own /docs (routes/docs.py: no CDN); no ReDoc page.
+        docs_url=None,
+        redoc_url=None,
         lifespan=lifespan,
     )
     app.state.settings = settings
@@ -62,6 +66,7 @@ def create_control_app(
         BodyLimit, exempt=lambda path: path.startswith(("/build-files/", "/volumecontent/"))
     )
     app.include_router(health.router)
+    app.include_router(docs.router)
     # Before sandboxes: its `/sandboxes/{id}` would take `/sandboxes/metrics`.
     app.include_router(observability.router)
     app.include_router(sandboxes.router)

@@ -27,7 +27,13 @@ VENDOR_FILES: dict[str, str] = {
     "xterm.mjs": "@xterm/xterm/lib/xterm.mjs",
     "xterm.css": "@xterm/xterm/css/xterm.css",
     "addon-fit.mjs": "@xterm/addon-fit/lib/addon-fit.mjs",
+    # The API's reference page (`/docs`), served from here rather than a CDN: offline too.
+    "swagger-ui-bundle.js": "swagger-ui-dist/swagger-ui-bundle.js",
+    "swagger-ui.css": "swagger-ui-dist/swagger-ui.css",
+    "swagger-favicon.png": "swagger-ui-dist/favicon-32x32.png",
 }
+# Where the console serves them.
+VENDOR_PATH = f"{CONSOLE_PATH}/vendor"
 _TYPES = {
     ".html": "text/html; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",
