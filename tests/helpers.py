@@ -171,11 +171,14 @@ async def uvicorn_task(app: Any, **config: Any) -> AsyncIterator[int]:
 
 class RedisServer:
     """A real `redis-server` on a free loopback port, without persistence (a restart loses
-    everything, the worst case the cluster must survive); stopped by its pid."""
+    everything, the worst case the cluster must survive), with `password` if given (then in
+    `url` too); stopped by its pid."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, password: str | None = None) -> None:
         self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = password
+        auth = f":{password}@" if password else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         self.workdir = workdir
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -195,6 +198,7 @@ class RedisServer:
                 "no",
                 "--dir",
                 str(self.workdir),
+                *(["--requirepass", self.password] if self.password else []),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -205,6 +209,10 @@ class RedisServer:
                 contextlib.suppress(OSError),
                 socket.create_connection(("127.0.0.1", self.port), timeout=1) as s,
             ):
+                if self.password:
+                    s.sendall(f"AUTH {self.password}\r\n".encode())
+                    if not s.recv(16).startswith(b"+OK"):
+                        return False
                 s.sendall(b"PING\r\n")
                 return s.recv(16).startswith(b"+PONG")
             return False

@@ -37,6 +37,7 @@ pytestmark = pytest.mark.integration
 # Node ids of this session (each derives its own net prefix and range from its id).
 NODE_IDS = tuple(f"{netplan.name('cl')}-{n}" for n in "abc")
 KEY = "e2b_" + "c1" * 20
+SECRETS = {"redis": f"redis-pw-{uuid.uuid4().hex}", "s3": f"s3-secret-{uuid.uuid4().hex}"}
 
 
 @dataclass
@@ -103,7 +104,8 @@ def cluster(s3_endpoint: str) -> Iterator[Cluster]:
     bucket = f"aenv-{uuid.uuid4().hex[:12]}"
     assert httpx.put(f"{s3_endpoint}/{bucket}", timeout=10).status_code == 200
     work = Path(tempfile.mkdtemp(prefix="aenv-cluster-"))
-    redis = RedisServer(work / "redis")
+    # Secrets of their own, so a test can look for them in every log.
+    redis = RedisServer(work / "redis", password=SECRETS["redis"])
     redis.start()
     common = dict(
         AENV_REDIS_URL=redis.url,
@@ -113,7 +115,7 @@ def cluster(s3_endpoint: str) -> Iterator[Cluster]:
         AENV_SNAPSHOT_REPO=f"s3://{bucket}/cluster",
         AENV_S3_ENDPOINT=s3_endpoint,
         AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_SECRET_ACCESS_KEY=SECRETS["s3"],
         AWS_DEFAULT_REGION="us-east-1",
     )
     gateways: list[Gateway] = []
@@ -445,3 +447,15 @@ def test_a_killed_node_is_unhealthy_and_its_hibernated_sandboxes_move(cluster: C
     assert "sleep 6161" in moved.commands.run("ps aux").stdout
     if victim.proc is None:  # the fixture's cleanup kills its sandboxes through the API
         victim.start()
+
+
+def test_no_secret_reaches_a_log(cluster: Cluster) -> None:
+    """After everything above (Redis restarted under the nodes and gateways, a node killed),
+    no node's or gateway's log holds Redis' password, the S3 secret or the API key."""
+    logs = [srv.log_path for srv in cluster.nodes.values() if srv.log_path is not None]
+    logs += [gw.log_path for gw in cluster.gateways]
+    assert len(logs) == len(NODE_IDS) + len(cluster.gateways)
+    text = "\n".join(p.read_text(errors="replace") for p in logs if p.exists())
+    assert "heartbeat" in text or "gateway serving" in text  # the logs are the ones written
+    for name, secret in {**SECRETS, "api key": KEY}.items():
+        assert secret not in text, f"the {name} is in a log"
