@@ -29,8 +29,8 @@ LOCKS = Path(tempfile.gettempdir()) / "aenv-test-sessions"
 # so that no session's prefix is the beginning of another's.
 TAGS = (
     "srv",  # the session's server (integration/conftest.py)
-    "rgv",  # test_runtime_gvisor.py
-    "rrc",  # test_runtime_gvisor.py, reconcile after a restart
+    "rgv",  # test_runtime_gvisor*.py (one module at a time)
+    "rrc",  # test_runtime_gvisor_restore.py, reconcile after a restart
     "rco",  # test_runtime_contract.py
     "rcr",  # test_runtime_contract.py, restart
     "egr",  # test_egress.py
