@@ -40,7 +40,7 @@ TAGS = (
     "dom",  # test_domains.py
     "rst",  # test_snapshots.py, restart
     "hib",  # test_snapshots.py, hibernation
-    "tpl",  # test_templates.py
+    "tpl",  # test_templates_images.py, the small layer cache's node
     "con",  # test_console.py
     "s3a",  # test_durable.py, first node
     "s3b",  # test_durable.py, second node
