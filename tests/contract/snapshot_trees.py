@@ -13,8 +13,6 @@ from pathlib import Path
 from aenv.images.layers import tree_digest
 
 IS_ROOT = os.geteuid() == 0
-
-
 MTIME = 1_700_000_000
 
 

@@ -29,22 +29,11 @@ from aenv.runtime.rootfs import mount_points
 from tests import netplan
 
 PREFIX, CIDR = netplan.slot_net("rgv").prefix, netplan.slot_net("rgv").cidr
-
-
 RECONCILE_PREFIX, RECONCILE_CIDR = netplan.slot_net("rrc").prefix, netplan.slot_net("rrc").cidr
-
-
 EXT_NS, EXT_IF = netplan.name("ext"), netplan.name("ext0")
-
-
 EXT_HOST, EXT_PEER = netplan.link(1).host, netplan.link(1).peer
-
-
 PORT = 49983
-
-
 MiB = 1024 * 1024
-
 
 INIT = [
     "/bin/sh",
@@ -52,14 +41,11 @@ INIT = [
     "i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done & "
     f"exec httpd -f -p {PORT} -h /",
 ]
-
-
 CGI = """#!/bin/sh
 echo "Content-Type: text/plain"
 echo ""
 sh -c "$(head -c "$CONTENT_LENGTH")" 2>&1
 """
-
 
 TIMINGS: dict[str, list[float]] = {}
 

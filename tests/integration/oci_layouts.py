@@ -22,13 +22,8 @@ import pytest
 import zstandard
 
 REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
-
-
 SKOPEO = shutil.which("skopeo")
-
-
 BUSYBOX = Path("/bin/busybox")
-
 
 # What a test that pushes images to a local registry needs (here and beside it).
 NEEDS_REGISTRY = pytest.mark.skipif(
@@ -41,21 +36,13 @@ NEEDS_REGISTRY = pytest.mark.skipif(
 
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-
-
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-
-
 OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
-
-
 LAYER_TYPES = {
     "gzip": "application/vnd.oci.image.layer.v1.tar+gzip",
     "zstd": "application/vnd.oci.image.layer.v1.tar+zstd",
     "none": "application/vnd.oci.image.layer.v1.tar",
 }
-
-
 MTIME = 1_700_000_000
 
 
@@ -193,7 +180,6 @@ BUSYBOX_CONFIG = {
     "Entrypoint": ["/bin/sh", "-c"],
     "Cmd": ["echo $GREETING"],
 }
-
 
 LAYERED = [
     (

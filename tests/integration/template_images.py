@@ -30,11 +30,7 @@ from .registry_servers import Registry, push
 PASSWD_ROOT = (
     b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
 )
-
-
 CACHE_IMAGES = 6
-
-
 CACHE_LAYER_BYTES = 400_000
 
 

@@ -69,8 +69,6 @@ class Env:
 
 
 N_CACHE_IMAGES = 6
-
-
 CACHE_LAYER_BYTES = 300_000
 
 

@@ -14,8 +14,6 @@ from typing import Any
 import httpx
 
 STREAM = {"content-type": "application/connect+json", "connect-protocol-version": "1"}
-
-
 UNARY = {"content-type": "application/json", "connect-protocol-version": "1"}
 
 

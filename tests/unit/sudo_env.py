@@ -20,14 +20,10 @@ from aenv.runtime.bundle_build import SPAWN_LIB, SPAWN_SOURCE, build_spawn_lib
 from tests.helpers import SRC, free_port, wait_healthy, wait_until
 
 SYSTEM_PY = Path("/usr/bin/python3.11")
-
-
 LOADER = Path("/lib64/ld-linux-x86-64.so.2")
 
 
 ALICE, BOB, CAROL = 65533, 65532, 65531  # sudo member, not a member, primary group sudo
-
-
 SUDO_GID = 27
 
 

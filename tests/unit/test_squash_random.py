@@ -22,11 +22,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="overlay mounts and wh
 
 # --- randomized stacks ---
 NAMES = ("a", "b", "c")
-
-
 OPS = ("file", "dir", "opaque", "whiteout", "symlink", "fifo", "hardlink")
-
-
 WEIGHTS = (6, 3, 1, 3, 1, 1, 1)
 
 
