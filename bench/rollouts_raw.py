@@ -9,8 +9,9 @@ import asyncio
 import shutil
 from pathlib import Path
 
-from .baseline import NET_PREFIX, Ctr, RawRunsc
+from .baseline import RawRunsc
 from .cpu import CpuMeter
+from .raw_runsc import NET_PREFIX, Ctr
 from .rollouts import (
     CHILD_CMDS,
     EPISODE_CMDS,

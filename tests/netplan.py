@@ -29,8 +29,8 @@ LOCKS = Path(tempfile.gettempdir()) / "aenv-test-sessions"
 # so that no session's prefix is the beginning of another's.
 TAGS = (
     "srv",  # the session's server (integration/conftest.py)
-    "rgv",  # test_runtime_gvisor.py
-    "rrc",  # test_runtime_gvisor.py, reconcile after a restart
+    "rgv",  # test_runtime_gvisor*.py (one module at a time)
+    "rrc",  # test_runtime_gvisor_restore.py, reconcile after a restart
     "rco",  # test_runtime_contract.py
     "rcr",  # test_runtime_contract.py, restart
     "egr",  # test_egress.py
@@ -40,7 +40,7 @@ TAGS = (
     "dom",  # test_domains.py
     "rst",  # test_snapshots.py, restart
     "hib",  # test_snapshots.py, hibernation
-    "tpl",  # test_templates.py
+    "tpl",  # test_templates_images.py, the small layer cache's node
     "con",  # test_console.py
     "s3a",  # test_durable.py, first node
     "s3b",  # test_durable.py, second node

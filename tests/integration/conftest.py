@@ -29,7 +29,7 @@ from tests.helpers import ROOT, free_port, wait_healthy
 AENV = str(Path(sys.executable).with_name("aenv"))
 
 
-# A plain-HTTP registry on loopback that tests may start on this address (test_templates.py);
+# A plain-HTTP registry on loopback that tests may start on this address (test_templates*.py);
 # the session's server trusts it. Chosen once, before the server starts.
 TEST_REGISTRY = f"127.0.0.1:{free_port()}"
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from .conftest import AENV, Server
-from .test_registry import NEEDS_REGISTRY, Layout, push
-from .test_templates import _start_registry, busybox_rootfs
+from .oci_layouts import NEEDS_REGISTRY, Layout
+from .registry_servers import push
+from .template_images import _start_registry, busybox_rootfs
 
 pytestmark = [pytest.mark.integration, NEEDS_REGISTRY]
 

@@ -1,5 +1,5 @@
 """Egress rules enforced in the network path, on real gVisor sandboxes (busybox, as in
-test_runtime_gvisor.py) against a fake internet this module makes:
+gvisor_env.py) against a fake internet this module makes:
 
     host  <fake veth> H/30  <──>  P/30 eth0, netns of its own
           route T/27 via P                 A, B on its lo, a listener on :8080
@@ -29,17 +29,8 @@ from aenv.runtime.net.network import SlotAddressing
 from tests import netplan
 
 from .fake_internet import NET_HOST, PORT, A, B, fake_internet
-from .test_runtime_gvisor import (
-    host_nc,
-    host_servers,
-    make_rootfs,
-    probe,
-    rec,
-    sh,
-    spec,
-    started_runtime,
-    wait_http,
-)
+from .gvisor_env import make_rootfs, rec, spec, started_runtime
+from .gvisor_net import host_nc, host_servers, probe, sh, wait_http
 
 pytestmark = [
     pytest.mark.integration,

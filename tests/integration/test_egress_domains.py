@@ -29,7 +29,8 @@ from aenv.runtime.gvisor import GVisorRuntime
 from tests import netplan
 
 from .fake_internet import DNS, PORT, A, B, fake_internet
-from .test_runtime_gvisor import host_nc, make_rootfs, rec, sh, spec, started_runtime, wait_http
+from .gvisor_env import make_rootfs, rec, spec, started_runtime
+from .gvisor_net import host_nc, sh, wait_http
 
 pytestmark = [
     pytest.mark.integration,

@@ -1,12 +1,12 @@
 """Pulling from a real registry: Debian's `docker-registry` on loopback.
 
-The tests build their own images as OCI layouts (a busybox rootfs from the host's static
-busybox, a three-layer image with whiteouts and an opaque directory in gzip, zstd and plain
-layers, a two-platform index, small images for the cache bound), push them with skopeo, and
-pull them through `aenv.images.pull`. A second registry instance serves the same storage
-behind token auth; its token server is a small HTTP server here that signs RS256 JWTs with
-a key generated for the session. Everything listens on 127.0.0.1 only and is stopped, and
-every temporary directory removed, when the module is done.
+The tests build their own images as OCI layouts (oci_layouts.py: a busybox rootfs from the
+host's static busybox, a three-layer image with whiteouts and an opaque directory in gzip, zstd
+and plain layers, a two-platform index, small images for the cache bound), push them with
+skopeo, and pull them through `aenv.images.pull`. A second registry instance serves the same
+storage behind token auth (registry_servers.py); its token server signs RS256 JWTs with a key
+generated for the session. Everything listens on 127.0.0.1 only and is stopped, and every
+temporary directory removed, when the module is done.
 """
 
 from __future__ import annotations
@@ -14,29 +14,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import gzip
-import hashlib
-import io
 import json
 import os
 import shutil
 import subprocess
-import tarfile
 import tempfile
-import threading
-import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlparse
 
 import httpx
 import pytest
-import zstandard
 
 from aenv.config import GIB, ImageSettings
 from aenv.errors import NotFound, Unauthorized, Unavailable
@@ -45,386 +34,20 @@ from aenv.images.layers import LayerStore
 from aenv.images.manifests import DigestMismatch
 from aenv.images.pull import LayerProgress, pull
 from aenv.images.registry import RegistryClient
-from tests.helpers import free_port, wait_healthy
+from tests.helpers import free_port
 
-REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
-SKOPEO = shutil.which("skopeo")
-BUSYBOX = Path("/bin/busybox")
-
-# What a test that pushes images to a local registry needs (here and beside it).
-NEEDS_REGISTRY = pytest.mark.skipif(
-    os.geteuid() != 0
-    or not os.path.exists(REGISTRY_BIN)
-    or SKOPEO is None
-    or not BUSYBOX.is_file(),
-    reason="needs root, docker-registry, skopeo and busybox-static (scripts/install-system.sh)",
+from .oci_layouts import (
+    BUSYBOX,
+    BUSYBOX_CONFIG,
+    LAYERED,
+    NEEDS_REGISTRY,
+    Entry,
+    Layout,
+    busybox_rootfs,
 )
+from .registry_servers import Registry, TokenServer, push, start_registry
+
 pytestmark = [pytest.mark.integration, NEEDS_REGISTRY]
-
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
-LAYER_TYPES = {
-    "gzip": "application/vnd.oci.image.layer.v1.tar+gzip",
-    "zstd": "application/vnd.oci.image.layer.v1.tar+zstd",
-    "none": "application/vnd.oci.image.layer.v1.tar",
-}
-MTIME = 1_700_000_000
-
-
-def sha(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-# --- building images ---
-@dataclass
-class Entry:
-    name: str
-    kind: str = "file"  # file | dir | symlink | hardlink
-    data: bytes = b""
-    mode: int = 0o644
-    uid: int = 0
-    gid: int = 0
-    target: str = ""
-
-
-def tar_of(entries: list[Entry]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-        for e in entries:
-            info = tarfile.TarInfo(e.name)
-            info.mode, info.uid, info.gid, info.mtime = e.mode, e.uid, e.gid, MTIME
-            if e.kind == "dir":
-                info.type = tarfile.DIRTYPE
-                tf.addfile(info)
-            elif e.kind == "symlink":
-                info.type, info.linkname = tarfile.SYMTYPE, e.target
-                tf.addfile(info)
-            elif e.kind == "hardlink":
-                info.type, info.linkname = tarfile.LNKTYPE, e.target
-                tf.addfile(info)
-            else:
-                info.size = len(e.data)
-                tf.addfile(info, io.BytesIO(e.data))
-    return buf.getvalue()
-
-
-def compress(tar: bytes, kind: str) -> bytes:
-    if kind == "gzip":
-        return gzip.compress(tar, mtime=0)
-    if kind == "zstd":
-        return zstandard.ZstdCompressor().compress(tar)
-    return tar
-
-
-class Layout:
-    """An OCI image layout directory (what `skopeo copy oci:<dir>:<tag>` reads)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        (root / "blobs/sha256").mkdir(parents=True)
-        (root / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
-        self.tags: dict[str, dict[str, Any]] = {}
-        self.layer_blobs: dict[str, bytes] = {}
-
-    def put(self, data: bytes, media_type: str) -> dict[str, Any]:
-        d = sha(data)
-        (self.root / "blobs/sha256" / d[7:]).write_bytes(data)
-        return {"mediaType": media_type, "digest": d, "size": len(data)}
-
-    def image(
-        self,
-        layers: list[tuple[list[Entry], str]],
-        config: dict[str, Any] | None = None,
-        arch: str = "amd64",
-        variant: str | None = None,
-    ) -> dict[str, Any]:
-        descs, diff_ids = [], []
-        for entries, kind in layers:
-            tar = tar_of(entries)
-            blob = compress(tar, kind)
-            diff_ids.append(sha(tar))
-            descs.append(self.put(blob, LAYER_TYPES[kind]))
-            self.layer_blobs[sha(blob)] = blob
-        cfg: dict[str, Any] = {
-            "architecture": arch,
-            "os": "linux",
-            "config": config or {},
-            "rootfs": {"type": "layers", "diff_ids": diff_ids},
-        }
-        if variant:
-            cfg["variant"] = variant
-        manifest = {
-            "schemaVersion": 2,
-            "mediaType": OCI_MANIFEST,
-            "config": self.put(json.dumps(cfg).encode(), OCI_CONFIG),
-            "layers": descs,
-        }
-        desc = self.put(json.dumps(manifest).encode(), OCI_MANIFEST)
-        desc["platform"] = {"os": "linux", "architecture": arch}
-        if variant:
-            desc["platform"]["variant"] = variant
-        return desc
-
-    def index(self, manifests: list[dict[str, Any]]) -> dict[str, Any]:
-        body = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": manifests}
-        return self.put(json.dumps(body).encode(), OCI_INDEX)
-
-    def tag(self, name: str, desc: dict[str, Any]) -> None:
-        entry = {k: v for k, v in desc.items() if k != "platform"}
-        entry["annotations"] = {"org.opencontainers.image.ref.name": name}
-        self.tags[name] = entry
-        index = {"schemaVersion": 2, "manifests": list(self.tags.values())}
-        (self.root / "index.json").write_text(json.dumps(index))
-
-
-def busybox_rootfs() -> list[Entry]:
-    bb = BUSYBOX.read_bytes()
-    entries = [
-        Entry("bin", "dir", mode=0o755),
-        Entry("bin/busybox", data=bb, mode=0o755),
-        Entry("etc", "dir", mode=0o755),
-        Entry(
-            "etc/passwd",
-            data=b"root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000::/home/user:/bin/sh\n",
-        ),
-        Entry("etc/group", data=b"root:x:0:\nuser:x:1000:\n"),
-        Entry("home", "dir", mode=0o755),
-        Entry("home/user", "dir", mode=0o750, uid=1000, gid=1000),
-        Entry("root", "dir", mode=0o700),
-        Entry("tmp", "dir", mode=0o1777),
-    ]
-    for tool in ("sh", "ls", "cat", "echo", "id"):
-        entries.append(Entry(f"bin/{tool}", "symlink", target="busybox"))
-    return entries
-
-
-BUSYBOX_CONFIG = {
-    "Env": ["PATH=/bin", "GREETING=hello"],
-    "WorkingDir": "/home/user",
-    "User": "1000:1000",
-    "Entrypoint": ["/bin/sh", "-c"],
-    "Cmd": ["echo $GREETING"],
-}
-
-LAYERED = [
-    (
-        [
-            Entry("etc", "dir", mode=0o755),
-            Entry("etc/a", data=b"a"),
-            Entry("etc/b", data=b"old b"),
-            Entry("dir", "dir", mode=0o755),
-            Entry("dir/x", data=b"x"),
-            Entry("dir/y", data=b"y"),
-            Entry("data", "dir", mode=0o755),
-            Entry("data/keep", data=b"keep"),
-            Entry("olddir", "dir", mode=0o755),
-            Entry("olddir/f", data=b"f"),
-            Entry("bin", "dir", mode=0o755),
-            Entry("bin/tool", data=b"#!/bin/sh\n", mode=0o4755),
-        ],
-        "gzip",
-    ),
-    (
-        [
-            Entry("etc", "dir", mode=0o755),
-            Entry("etc/.wh.a"),
-            Entry("etc/b", data=b"new b"),
-            Entry("etc/b2", "hardlink", target="etc/b"),
-            Entry("dir", "dir", mode=0o755),
-            Entry("dir/.wh..wh..opq"),
-            Entry("dir/z", data=b"z"),
-        ],
-        "zstd",
-    ),
-    (
-        [
-            Entry(".wh.olddir"),
-            Entry("etc", "dir", mode=0o755),
-            Entry("etc/c", data=b"c", uid=1000, gid=1000, mode=0o600),
-            Entry("etc/link", "symlink", target="b"),
-        ],
-        "none",
-    ),
-]
-
-
-# --- token auth ---
-def _b64url(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-class TokenServer:
-    """Issues registry tokens (RS256 JWTs) like a real token service: Basic credentials
-    get pull access; anonymous callers get a token without access (or a 401 when
-    `allow_anonymous` is off)."""
-
-    def __init__(self, workdir: Path, users: dict[str, str]) -> None:
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import padding, rsa
-        from cryptography.x509.oid import NameOID
-
-        self.users = users
-        self.allow_anonymous = True
-        self.service = "aenv-test-registry"
-        self.issuer = "aenv-test-issuer"
-        self.requests: list[dict[str, Any]] = []
-        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "aenv test token issuer")])
-        now = datetime.now(UTC)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - timedelta(days=1))
-            .not_valid_after(now + timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256())
-        )
-        self.cert_path = workdir / "token-ca.pem"
-        self.cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        # libtrust's key id, which docker-registry uses to find the key for a `kid`.
-        spki = key.public_key().public_bytes(
-            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-        b32 = base64.b32encode(hashlib.sha256(spki).digest()[:30]).decode().rstrip("=")
-        self.kid = ":".join(b32[i : i + 4] for i in range(0, len(b32), 4))
-
-        def sign(data: bytes) -> bytes:
-            return key.sign(data, padding.PKCS1v15(), hashes.SHA256())
-
-        self._sign = sign
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                outer._handle(self)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/token"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def jwt(self, subject: str, access: list[dict[str, Any]]) -> str:
-        header = {"typ": "JWT", "alg": "RS256", "kid": self.kid}
-        now = int(time.time())
-        claims = {
-            "iss": self.issuer,
-            "sub": subject,
-            "aud": self.service,
-            "exp": now + 300,
-            "nbf": now - 10,
-            "iat": now,
-            "jti": uuid.uuid4().hex,
-            "access": access,
-        }
-        signing_input = (
-            _b64url(json.dumps(header).encode()) + "." + _b64url(json.dumps(claims).encode())
-        )
-        return signing_input + "." + _b64url(self._sign(signing_input.encode()))
-
-    def _handle(self, h: BaseHTTPRequestHandler) -> None:
-        query = parse_qs(urlparse(h.path).query)
-        auth = h.headers.get("Authorization", "")
-        self.requests.append({"query": query, "auth": bool(auth)})
-        user = ""
-        access: list[dict[str, Any]] = []
-        if auth.startswith("Basic "):
-            user, _, pw = base64.b64decode(auth[6:]).decode().partition(":")
-            if self.users.get(user) != pw:
-                self._reply(h, 401, {"details": "invalid credentials"})
-                return
-            for scope in query.get("scope", []):
-                kind, name, actions = scope.split(":")
-                access.append({"type": kind, "name": name, "actions": actions.split(",")})
-        elif not self.allow_anonymous:
-            self._reply(h, 401, {"details": "authentication required"})
-            return
-        token = self.jwt(user, access)
-        self._reply(h, 200, {"token": token, "access_token": token, "expires_in": 300})
-
-    @staticmethod
-    def _reply(h: BaseHTTPRequestHandler, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        h.send_response(status)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-# --- registries ---
-@dataclass
-class Registry:
-    host: str  # 127.0.0.1:port
-    storage: Path
-    proc: subprocess.Popen[bytes]
-    log: Path
-    pushed: dict[str, Layout] = field(default_factory=dict)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_registry(workdir: Path, storage: Path, auth: dict[str, Any] | None = None) -> Registry:
-    port = free_port()
-    config: dict[str, Any] = {
-        "version": 0.1,
-        "log": {"level": "warn", "accesslog": {"disabled": True}},
-        "storage": {"filesystem": {"rootdirectory": str(storage)}, "delete": {"enabled": True}},
-        "http": {"addr": f"127.0.0.1:{port}", "secret": uuid.uuid4().hex},
-    }
-    if auth:
-        config["auth"] = auth
-    workdir.mkdir(parents=True, exist_ok=True)
-    cfg = workdir / "config.yml"
-    cfg.write_text(json.dumps(config))  # JSON is YAML
-    log = workdir / "registry.log"
-    proc = subprocess.Popen(
-        [REGISTRY_BIN, "serve", str(cfg)],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-    )
-    reg = Registry(f"127.0.0.1:{port}", storage, proc, log)
-    try:
-        wait_healthy(f"http://{reg.host}", 20, proc=proc, path="/v2/", status=(200, 401), log=log)
-    except AssertionError:
-        reg.stop()
-        raise
-    return reg
-
-
-def push(layout: Layout, tag: str, registry: Registry, name: str, *extra: str) -> None:
-    assert SKOPEO is not None
-    cmd = [
-        SKOPEO,
-        "--insecure-policy",
-        "copy",
-        "--quiet",
-        "--dest-tls-verify=false",
-        *extra,
-        f"oci:{layout.root}:{tag}",
-        f"docker://{registry.host}/{name}:{tag}",
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
 
 
 @dataclass

@@ -19,7 +19,8 @@ import pytest
 from aenv.config import Settings
 from aenv.snapshots.errors import RepositoryError
 from aenv.snapshots.repository import Repository, S3Credentials, S3Repository, open_repository
-from tests.unit.test_repository import RepositoryContract, StoreContract
+from tests.contract.repository_contract import RepositoryContract
+from tests.contract.store_contract import StoreContract
 
 HOST = "127.0.0.1"
 CREDS = S3Credentials("testing-key-id", "testing-secret")

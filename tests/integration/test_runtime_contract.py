@@ -1,5 +1,5 @@
 """The runtime contract against gVisor: real runsc, slots, overlays (busybox sandboxes, set up
-as in test_runtime_gvisor.py). Own net prefixes and homes; every trace is removed at the end."""
+as in gvisor_env.py). Own net prefixes and homes; every trace is removed at the end."""
 
 from __future__ import annotations
 
@@ -17,15 +17,8 @@ from aenv.runtime.gvisor import GVisorRuntime
 from tests import netplan
 from tests.contract.runtime_contract import RuntimeContract, Specs
 
-from .test_runtime_gvisor import (
-    INIT,
-    assert_no_traces,
-    crash,
-    make_rootfs,
-    make_settings,
-    started_runtime,
-    wait_http,
-)
+from .gvisor_env import INIT, assert_no_traces, crash, make_rootfs, make_settings, started_runtime
+from .gvisor_net import wait_http
 
 pytestmark = [
     pytest.mark.integration,

@@ -1,37 +1,27 @@
-"""envd's privileged exec service and the sudo client, on the host (envd runs as root).
+"""envd's privileged exec service and the sudo client, end to end on the host (envd runs as
+root): root and exit codes, stdio, who may sudo and as whom, the environment a command gets,
+the CLI's errors, and signals relayed to the command (suspend, resume, the client killed).
 
 envd runs from a copy of its sources (as the bundle's ``aenv_envd``) with the service socket
 and fake /etc/passwd and /etc/group in a world-readable temp dir; the client runs through the
 real ``/usr/bin/sudo`` wrapper script, pointed at a fake bundle of symlinks to the host's
-python3.11, as root and, under ``setpriv``, as uids that exist only in the fake passwd.
+python3.11, as root and, under ``setpriv``, as uids that exist only in the fake passwd
+(tests/unit/sudo_env.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
-import select
 import shutil
 import signal
-import struct
 import subprocess
-import sys
-import tempfile
-import termios
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from aenv.envd import sudo, sudo_args, sudo_plan, sudo_protocol, sudo_service
-from aenv.envd.state import User, Users
-from aenv.runtime.bundle_build import SPAWN_LIB, SPAWN_SOURCE, build_spawn_lib
-from tests.helpers import SRC, free_port, wait_healthy, wait_until
-
-SYSTEM_PY = Path("/usr/bin/python3.11")
-LOADER = Path("/lib64/ld-linux-x86-64.so.2")
+from aenv.envd import sudo_protocol
+from tests.helpers import wait_until
+from tests.unit.sudo_env import ALICE, BOB, LOADER, SUDO_GID, SYSTEM_PY, Env, sudo_env
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0
@@ -41,120 +31,11 @@ pytestmark = pytest.mark.skipif(
     reason="needs root, setpriv, /usr/bin/python3.11 and the x86-64 loader",
 )
 
-ALICE, BOB, CAROL = 65533, 65532, 65531  # sudo member, not a member, primary group sudo
-SUDO_GID = 27
-
-
-class Env:
-    def __init__(self, root: Path, sock: Path, shim: Path, proc: subprocess.Popen[bytes]):
-        self.root = root
-        self.sock = sock
-        self.shim = shim
-        self.proc = proc
-
-    def argv(self, *args: str, uid: int | None = None, gid: int | None = None) -> list[str]:
-        cmd = ["/bin/sh", str(self.shim), *args]
-        if uid is None:
-            return cmd
-        g = uid if gid is None else gid
-        return ["setpriv", f"--reuid={uid}", f"--regid={g}", "--clear-groups", *cmd]
-
-    def env(self, **extra: str) -> dict[str, str]:
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "LANG": "C.UTF-8",
-            "TERM": "xterm",
-            "HOME": "/root",
-            sudo_protocol.SOCKET_ENV: str(self.sock),
-        }
-        env.update(extra)
-        return env
-
-    def run(
-        self,
-        *args: str,
-        uid: int | None = None,
-        gid: int | None = None,
-        input: bytes | None = None,
-        env: dict[str, str] | None = None,
-    ) -> subprocess.CompletedProcess[str]:
-        r = subprocess.run(
-            self.argv(*args, uid=uid, gid=gid),
-            input=input,
-            capture_output=True,
-            env=env or self.env(),
-            cwd=self.root,
-            timeout=30,
-        )
-        return subprocess.CompletedProcess(
-            r.args, r.returncode, r.stdout.decode(errors="replace"), r.stderr.decode()
-        )
-
-
-def _fake_bundle(b: Path) -> None:
-    """What /opt/aenv provides to the wrapper, made of the host's python3.11."""
-    (b / "bin").mkdir(parents=True)
-    (b / "lib").mkdir()
-    (b / "bin/python3").symlink_to(SYSTEM_PY.resolve())
-    (b / "lib/ld-linux-x86-64.so.2").symlink_to(LOADER)
-    (b / "lib/python3.11").symlink_to("/usr/lib/python3.11")
-    shutil.copytree(SRC / "aenv/envd", b / "app/aenv_envd")
-    # envd's spawn library, as the bundle has it: commands start through it, not subprocess.
-    build_spawn_lib(SRC / "aenv/envd" / SPAWN_SOURCE, b / "lib" / SPAWN_LIB)
-
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[Env]:
-    root = Path(tempfile.mkdtemp(prefix="aenv-sudo-"))
-    try:
-        root.chmod(0o755)
-        _fake_bundle(root / "bundle")
-        home = root / "home"
-        for name, uid in (("alice", ALICE), ("bob", BOB)):
-            (home / name).mkdir(parents=True)
-            os.chown(home / name, uid, uid)
-        (root / "passwd").write_text(
-            "root:x:0:0:root:/root:/bin/sh\n"
-            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-            f"alice:x:{ALICE}:{ALICE}::{home}/alice:/bin/bash\n"
-            f"bob:x:{BOB}:{BOB}::{home}/bob:/bin/sh\n"
-        )
-        (root / "group").write_text(
-            f"root:x:0:\nsudo:x:{SUDO_GID}:alice\nalice:x:{ALICE}:\nbob:x:{BOB}:\n"
-            "nogroup:x:65534:\nstaff:x:50:bob\n"
-        )
-        shim = root / "sudo"
-        shim.write_text(sudo.SHIM_SCRIPT.replace("b=/opt/aenv", f"b={root}/bundle"))
-        shim.chmod(0o755)
-        sock = root / "run/sudo.sock"
-        port = free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "aenv_envd", "--host", "127.0.0.1", "--port", str(port)],
-            env={
-                "PATH": "/usr/bin:/bin",
-                "PYTHONPATH": str(root / "bundle/app"),
-                "AENV_ENVD_SUDO_SOCKET": str(sock),
-                "AENV_ENVD_PASSWD_FILE": str(root / "passwd"),
-                "AENV_ENVD_GROUP_FILE": str(root / "group"),
-            },
-            cwd="/",
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            # Generous: the host may be busy. The service starts right after the HTTP listener.
-            wait_healthy(f"http://127.0.0.1:{port}", timeout=60, proc=proc)
-            wait_until(sock.exists, 60, what="the sudo socket")
-            yield Env(root, sock, shim, proc)
-            proc.terminate()
-            proc.wait(30)
-            assert not sock.exists()  # removed on shutdown
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with sudo_env() as value:
+        yield value
 
 
 # --- the service, end to end -----------------------------------------------------------------
@@ -413,243 +294,3 @@ def test_suspend_and_resume(env: Env) -> None:
         p.terminate()
         p.wait(10)
     _wait_gone(pid)
-
-
-# --- a terminal --------------------------------------------------------------------------------
-
-
-class Pty:
-    """The client in a session of its own with a pty as controlling terminal."""
-
-    def __init__(self, env: Env, *args: str, uid: int | None = None) -> None:
-        self.master, slave = os.openpty()
-        fcntl.ioctl(self.master, termios.TIOCSWINSZ, struct.pack("HHHH", 33, 111, 0, 0))
-
-        def ctty() -> None:
-            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-        self.proc = subprocess.Popen(
-            env.argv(*args, uid=uid),
-            stdin=slave,
-            stdout=slave,
-            stderr=slave,
-            env=env.env(),
-            cwd=env.root,
-            start_new_session=True,
-            preexec_fn=ctty,
-        )
-        os.close(slave)
-        self.buf = b""
-
-    def expect(self, needle: bytes, timeout: float = 10) -> bytes:
-        deadline = time.monotonic() + timeout
-        while needle not in self.buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"{needle!r} not in {self.buf[-2000:]!r}")
-            r, _, _ = select.select([self.master], [], [], left)
-            if r:
-                try:
-                    data = os.read(self.master, 65536)
-                except OSError:
-                    data = b""
-                if not data:
-                    raise AssertionError(f"EOF before {needle!r}: {self.buf[-2000:]!r}")
-                self.buf += data
-        out, _, self.buf = self.buf.partition(needle)
-        return out + needle
-
-    def send(self, data: bytes) -> None:
-        os.write(self.master, data)
-
-    def close(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-        self.proc.wait(10)
-        os.close(self.master)
-
-
-def test_interactive_shell_in_a_pty(env: Env) -> None:
-    t = Pty(env, "bash", "--norc", "--noprofile", "-i", uid=ALICE)
-    try:
-        t.send(b"PS1='<$?># '\n")
-        t.expect(b"<0># ")
-        t.send(b"id -u; tty; stty size\n")
-        out = t.expect(b"<0># ").decode()
-        assert "\r0\r\n/dev/pts/" in out and "33 111" in out
-        # job control works: a background job, a foreground one stopped and resumed
-        t.send(b"sleep 30 & jobs\n")
-        assert b"Running" in t.expect(b"<0># ")
-        t.send(b"kill %1; wait\n")
-        t.expect(b"# ")
-        # ^C reaches the foreground job inside, the shell stays
-        t.send(b"sh -c 'echo rea''dy; exec sleep 30'\n")
-        t.expect(b"ready\r\n")
-        t.send(b"\x03")
-        t.expect(b"<130># ")
-        # window size changes are passed on
-        fcntl.ioctl(t.master, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-        t.proc.send_signal(signal.SIGWINCH)
-
-        def resized() -> bool:
-            t.send(b"stty size\n")
-            return b"40 120" in t.expect(b"<0># ")
-
-        wait_until(resized, 10, 0.05, "the new window size inside")
-        t.send(b"exit 4\n")
-        assert t.proc.wait(10) == 4
-        assert b"no job control" not in t.buf
-    finally:
-        t.close()
-
-
-def test_pty_output_and_terminal_restored(env: Env) -> None:
-    t = Pty(env, "sh", "-c", "test -t 0 && test -t 1 && echo tty-ok; exit 3")
-    try:
-        t.expect(b"tty-ok\r\n")
-        assert t.proc.wait(10) == 3
-        attrs = termios.tcgetattr(t.master)
-        assert attrs[3] & termios.ICANON and attrs[3] & termios.ECHO  # cooked again
-    finally:
-        t.close()
-
-
-# --- building blocks ---------------------------------------------------------------------------
-
-
-def test_parse_args() -> None:
-    o = sudo_args.parse_args(["-nu", "bob", "-E", "A=1", "ls", "-l", "B=2"])
-    assert (o.user, o.preserve_env, o.assign, o.command) == (
-        "bob",
-        True,
-        {"A": "1"},
-        ["ls", "-l", "B=2"],
-    )
-    o = sudo_args.parse_args(["--user=x", "--preserve-env=A,B", "-H", "--", "-x"])
-    assert (o.user, o.keep, o.set_home, o.command) == ("x", ["A", "B"], True, ["-x"])
-    o = sudo_args.parse_args(["-i"])
-    assert o.login and o.command == []
-    assert sudo_args.parse_args(["-k"]).mode == "kill"
-    assert sudo_args.parse_args(["-l", "ls"]).mode == "list"
-    with pytest.raises(sudo_args.UsageError):
-        sudo_args.parse_args(["-b", "x"])
-    with pytest.raises(sudo_args.UsageError):
-        sudo_args.parse_args(["--login=3"])
-
-
-def test_frames() -> None:
-    buf = bytearray(
-        sudo_protocol.encode_frame({"a": 1}) + sudo_protocol.encode_frame({"b": [2]})[:5]
-    )
-    assert sudo_protocol.take_frames(buf) == [{"a": 1}]
-    assert len(buf) == 5
-    buf += sudo_protocol.encode_frame({"b": [2]})[5:]
-    assert sudo_protocol.take_frames(buf) == [{"b": [2]}] and not buf
-    with pytest.raises(sudo_protocol.FrameError):
-        sudo_protocol.take_frames(bytearray(struct.pack(">I", sudo_protocol.MAX_FRAME + 1)))
-
-
-def test_shell_quote() -> None:
-    assert sudo_plan.shell_quote_sudo(["echo", "a b", "$HOME", "x;y"]) == ("echo a\\ b $HOME x\\;y")
-
-
-def test_plan(tmp_path: Path) -> None:
-    (tmp_path / "passwd").write_text(
-        "root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000::/home/user:/bin/bash\n"
-    )
-    (tmp_path / "group").write_text("root:x:0:\nsudo:x:27:user\nuser:x:1000:\n")
-    from aenv.envd.state import State
-
-    st = State()
-    st.users = Users(str(tmp_path / "passwd"), str(tmp_path / "group"))
-    req = {"argv": ["ls"], "env": {"TERM": "x", "FOO": "1"}, "cwd": "/tmp", "tty": False}
-    p = sudo_plan.plan(st.users, req, 1000, 1000)
-    assert (p.uid, p.gid, p.groups, p.cwd, p.executable) == (0, 0, [0], "/tmp", shutil.which("ls"))
-    assert "FOO" not in p.env and p.env["SUDO_USER"] == "user"
-    p = sudo_plan.plan(st.users, {**req, "user": "user", "login": True, "argv": []}, 0, 0)
-    assert (p.uid, p.gid, p.argv, p.executable) == (1000, 1000, ["-bash"], "/bin/bash")
-    assert p.groups == [1000, 27]
-    with pytest.raises(sudo_plan.Refused):
-        sudo_plan.authorize(st.users, 4242, 4242)
-    sudo_plan.authorize(st.users, 1000, 1000)
-    assert isinstance(st.users.by_uid(1000), User) and st.users.group_gid("sudo") == 27
-    # off unless configured (envd's __main__ sets it in a sandbox only)
-    assert sudo_service.start_service(st, {}) is None
-    assert sudo_service.start_service(st, {sudo_protocol.SOCKET_ENV: "off"}) is None
-
-
-def test_identity_comes_from_scm_credentials(env: Env) -> None:
-    """envd trusts the kernel-checked SCM_CREDENTIALS, nothing else: root may claim bob's
-    uid (CAP_SETUID), and is then refused as bob; no credentials at all are refused too."""
-    import socket
-
-    def ask(creds: tuple[int, int, int] | None) -> dict[str, object]:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.connect(str(env.sock))
-            req = {"v": sudo_protocol.PROTOCOL, "op": "check"}
-            anc = []
-            if creds is not None:
-                anc.append(
-                    (socket.SOL_SOCKET, sudo_protocol.SCM_CREDENTIALS, struct.pack("3i", *creds))
-                )
-            s.sendmsg([sudo_protocol.encode_frame(req)], anc)
-            buf = bytearray()
-            while not (frames := sudo_protocol.take_frames(buf)):
-                chunk = s.recv(4096)
-                assert chunk
-                buf += chunk
-            return frames[0]
-
-    assert ask((os.getpid(), 0, 0))["ok"] is True
-    assert ask((os.getpid(), ALICE, ALICE))["user"] == "alice"
-    assert ask((os.getpid(), BOB, BOB))["error"] == "bob is not in the sudoers file."
-    # Linux attaches the sender's real credentials when none are sent (root here)
-    reply = ask(None)
-    assert reply.get("ok") is True or "credentials" in str(reply.get("error"))
-
-
-def test_raw_protocol(env: Env) -> None:
-    """The wire protocol by hand: request + credentials + fds, started, winch, signal, exit."""
-    import socket
-
-    out_r, out_w = os.pipe()
-    in_r, in_w = os.pipe()
-    script = "trap 'echo winch' WINCH; trap 'exit 9' TERM; echo up; while :; do sleep 0.05; done"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.connect(str(env.sock))
-        req = {
-            "v": sudo_protocol.PROTOCOL,
-            "op": "run",
-            "argv": ["sh", "-c", script],
-            "env": {"PATH": "/usr/bin:/bin"},
-            "cwd": "/",
-        }
-        creds = struct.pack("3i", os.getpid(), ALICE, ALICE)
-        s.sendmsg(
-            [sudo_protocol.encode_frame(req)],
-            [
-                (socket.SOL_SOCKET, sudo_protocol.SCM_CREDENTIALS, creds),
-                (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("3i", in_r, out_w, out_w)),
-            ],
-        )
-        for fd in (in_r, out_w):
-            os.close(fd)
-        buf = bytearray()
-
-        def reply() -> dict[str, object]:
-            while not (frames := sudo_protocol.take_frames(buf)):
-                chunk = s.recv(4096)
-                assert chunk
-                buf.extend(chunk)
-            return frames[0]
-
-        started = reply()
-        pid = started["started"]
-        assert isinstance(pid, int)
-        with os.fdopen(out_r, "rb", buffering=0) as out:
-            assert out.readline() == b"up\n"
-            s.sendall(sudo_protocol.encode_frame({"winch": True}))
-            assert out.readline() == b"winch\n"
-            s.sendall(sudo_protocol.encode_frame({"signal": int(signal.SIGTERM)}))
-            assert reply() == {"exit": 9, "signal": None}
-    os.close(in_w)

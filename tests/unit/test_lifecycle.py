@@ -1,52 +1,28 @@
 """The node's lifecycle state machine, whole, on the fake runtime and a fake clock: timeouts,
-pause tiers and the way back, snapshots and fork with failures, restart recovery, and
-concurrent operations on one sandbox."""
+pause tiers and the way back, restart recovery, concurrent operations on one sandbox, the warm
+pool, and the stop listeners. Snapshots and fork are in test_lifecycle_snapshots.py, egress
+rules and traffic tokens in test_lifecycle_network.py.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from aenv.domain import (
-    ENVD_PORT,
-    CreateRequest,
-    EgressPolicy,
-    PauseTier,
-    SandboxState,
-    TemplateKind,
-)
-from aenv.errors import (
-    Conflict,
-    Forbidden,
-    NotFound,
-    RuntimeFailure,
-    SandboxNotFound,
-    Unavailable,
-)
+from aenv.domain import CreateRequest, PauseTier, SandboxState
+from aenv.errors import Conflict, NotFound, RuntimeFailure, SandboxNotFound
 from aenv.runtime.fake import FakeState
 from tests.node_harness import Harness, build, started
+from tests.unit.sandbox_files import write_file
 
 
 @pytest.fixture
 async def node(tmp_path: Path) -> AsyncIterator[Harness]:
     async for h in started(tmp_path):
         yield h
-
-
-def write_file(h: Harness, sandbox_id: str, name: str, text: str) -> None:
-    """What a process in the sandbox writing a file leaves on the host: a file in its upper."""
-    upper = h.orch.table.get(sandbox_id).upper
-    assert upper is not None
-    (Path(upper) / name).write_text(text)
-
-
-def entries(path: str) -> list[str]:
-    return [p.name for p in Path(path).iterdir()]
 
 
 # ---------------------------------------------------------------------------- timeouts
@@ -167,129 +143,6 @@ async def test_proxy_resolve_resumes_only_with_auto_resume(node: Harness) -> Non
     up = await node.orch.pauser.resolve(auto.sandbox_id, 8080)
     assert up.port == 8080 and up.host == node.orch.table.get(auto.sandbox_id).address
     assert node.orch.table.get(auto.sandbox_id).state is SandboxState.RUNNING
-
-
-# ---------------------------------------------------------------------------- snapshots
-async def test_snapshot_keeps_the_sandbox_running_and_copies_its_files(node: Harness) -> None:
-    r = await node.orch.sandboxes.create(CreateRequest())
-    assert r.instance is not None
-    address, upper, before = r.address, r.upper, len(node.runtime.ops())
-    write_file(node, r.sandbox_id, "a.txt", "1")
-    snap = await node.orch.snapshotter.snapshot(r.sandbox_id, "snap-1")
-    rec = node.orch.table.get(r.sandbox_id)
-    # Not stopped nor restored: the same container goes on in the same upper.
-    assert rec.state is SandboxState.RUNNING and rec.address == address
-    assert rec.instance is not None and rec.instance.id == r.instance.id
-    assert node.runtime.state(rec.instance) is FakeState.RUNNING
-    assert node.runtime.ops()[before:] == ["checkpoint", "thaw"]
-    assert rec.upper is not None and rec.upper == upper and entries(rec.upper) == ["a.txt"]
-    assert snap.kind is TemplateKind.SNAPSHOT and snap.checkpoint is not None
-    assert snap.layers == [*rec.copied_as, *rec.layers] and len(snap.layers) == 2
-    assert (node.orch.storage.layers.path(snap.layers[0]) / "a.txt").read_text() == "1"
-    assert [s.template_id for s in await node.orch.templates.snapshots()] == [snap.template_id]
-
-    child = await node.orch.sandboxes.create(CreateRequest(template_id="snap-1"))
-    assert child.layers == snap.layers and child.instance is not None
-    assert node.runtime.ops().count("restore") == 1  # the child only
-    with pytest.raises(Conflict):
-        await node.orch.snapshotter.snapshot(r.sandbox_id, "snap-1")
-
-
-async def test_later_snapshots_take_only_what_changed(node: Harness) -> None:
-    r = await node.orch.sandboxes.create(CreateRequest())
-    write_file(node, r.sandbox_id, "a.txt", "1")
-    first = await node.orch.snapshotter.snapshot(r.sandbox_id)
-    write_file(node, r.sandbox_id, "b.txt", "2")
-    second = await node.orch.snapshotter.snapshot(r.sandbox_id)
-    assert second.layers[1:] == first.layers
-    assert entries(str(node.orch.storage.layers.path(second.layers[0]))) == ["b.txt"]
-    same = await node.orch.snapshotter.snapshot(r.sandbox_id)  # nothing changed: no new layer
-    assert same.layers == second.layers
-    upper = node.orch.table.get(r.sandbox_id).upper
-    assert upper is not None
-    (Path(upper) / "a.txt").unlink()
-    third = await node.orch.snapshotter.snapshot(r.sandbox_id)
-    gone = node.orch.storage.layers.path(third.layers[0]) / "a.txt"
-    if os.geteuid() == 0:  # a whiteout (a device node) hides the first copy's a.txt
-        assert stat.S_ISCHR(os.lstat(gone).st_mode)
-    assert third.layers[1:] == second.layers
-
-
-async def test_snapshot_whose_checkpoint_fails_leaves_the_sandbox_running(
-    node: Harness,
-) -> None:
-    r = await node.orch.sandboxes.create(CreateRequest())
-    node.runtime.fail_next("checkpoint")
-    with pytest.raises(RuntimeFailure):
-        await node.orch.snapshotter.snapshot(r.sandbox_id)
-    rec = node.orch.table.get(r.sandbox_id)
-    assert rec.state is SandboxState.RUNNING and rec.pending is None
-    assert rec.instance is not None
-    assert node.runtime.state(rec.instance) is FakeState.RUNNING
-    assert await node.orch.templates.snapshots() == []
-
-
-async def test_snapshot_of_a_frozen_sandbox_whose_restore_fails_marks_it_lost(
-    node: Harness,
-) -> None:
-    r = await node.orch.sandboxes.create(CreateRequest())
-    await node.orch.pauser.pause(r.sandbox_id)
-    node.runtime.fail_next("restore")
-    with pytest.raises(RuntimeFailure):
-        await node.orch.snapshotter.snapshot(r.sandbox_id)
-    with pytest.raises(NotFound, match="lost"):
-        node.orch.table.get(r.sandbox_id)
-    assert node.runtime.instances() == []
-
-
-async def test_snapshot_of_a_frozen_sandbox_leaves_it_frozen(node: Harness) -> None:
-    r = await node.orch.sandboxes.create(CreateRequest())
-    await node.orch.pauser.pause(r.sandbox_id)
-    await node.orch.snapshotter.snapshot(r.sandbox_id)
-    rec = node.orch.table.get(r.sandbox_id)
-    assert rec.tier is PauseTier.FROZEN and rec.instance is not None
-    assert node.runtime.state(rec.instance) is FakeState.FROZEN
-
-
-# ---------------------------------------------------------------------------- fork
-async def test_fork_children_and_parent(node: Harness) -> None:
-    parent = await node.orch.sandboxes.create(CreateRequest(metadata={"k": "v"}))
-    write_file(node, parent.sandbox_id, "f", "x")
-    results = await node.orch.forker.fork(parent.sandbox_id, 3)
-    kids = [res.sandbox for res in results if res.sandbox is not None]
-    assert len(kids) == 3 and all(res.error is None for res in results)
-    addresses = {k.address for k in kids} | {node.orch.table.get(parent.sandbox_id).address}
-    assert len(addresses) == 4
-    for k in kids:
-        assert k.parent_id == parent.sandbox_id and k.metadata == {"k": "v"}
-        p = node.orch.table.get(parent.sandbox_id)  # children run on a copy of its upper
-        assert k.layers == [*p.copied_as, *p.layers] and len(p.copied_as) == 1
-        assert k.envd_access_token != parent.envd_access_token or not k.envd_access_token
-    # The fork's snapshot is gone; the children's layers stay.
-    assert await node.orch.templates.snapshots() == []
-    assert all(node.orch.storage.layers.has(d) for d in kids[0].layers)
-
-
-async def test_fork_with_a_failing_child_reports_it(node: Harness) -> None:
-    parent = await node.orch.sandboxes.create(CreateRequest())
-    # The parent goes on without a restore; the second child's fails.
-    node.runtime.fail_next("restore", after=1)
-    results = await node.orch.forker.fork(parent.sandbox_id, 3)
-    assert sum(res.sandbox is not None for res in results) == 2
-    errors = [res.error for res in results if res.error is not None]
-    assert len(errors) == 1 and "injected" in errors[0].message
-    assert node.orch.table.get(parent.sandbox_id).state is SandboxState.RUNNING
-    assert len(node.orch.table.list()) == 3
-
-
-async def test_fork_past_the_memory_budget(tmp_path: Path) -> None:
-    async for h in started(tmp_path, max_memory_mb=1536):
-        parent = await h.orch.sandboxes.create(CreateRequest())
-        results = await h.orch.forker.fork(parent.sandbox_id, 3)
-        assert sum(res.sandbox is not None for res in results) == 2
-        assert any(isinstance(res.error, Unavailable) for res in results)
-        with pytest.raises(Unavailable):
-            await h.orch.sandboxes.create(CreateRequest())
 
 
 # ---------------------------------------------------------------------------- restarts
@@ -436,129 +289,6 @@ async def test_killing_a_hibernated_sandbox_drops_its_image(node: Harness) -> No
     await node.orch.sandboxes.kill(r.sandbox_id)
     assert not image.exists()
     assert not (node.settings.rw_dir / r.sandbox_id).exists()
-
-
-# ---------------------------------------------------------------------------- egress rules
-CLOSED = EgressPolicy(allow_internet=False, allow_out=["203.0.113.10/32"])
-
-
-async def test_egress_rules_are_in_force_from_the_start(node: Harness) -> None:
-    open_ = await node.orch.sandboxes.create(CreateRequest())
-    assert open_.instance is not None and node.runtime.egress(open_.instance) is None
-    r = await node.orch.sandboxes.create(CreateRequest(egress=CLOSED))
-    assert r.instance is not None
-    assert node.runtime.egress(r.instance) == CLOSED
-    assert "set_egress" not in node.runtime.ops()  # given with the spec, not afterwards
-    assert node.orch.table.get(r.sandbox_id).egress == CLOSED
-
-
-async def test_update_network_live_and_across_pause_tiers(node: Harness) -> None:
-    r = await node.orch.sandboxes.create(CreateRequest())
-    await node.orch.sandboxes.update_network(r.sandbox_id, CLOSED)
-    assert r.instance is not None and node.runtime.egress(r.instance) == CLOSED
-    await node.orch.pauser.pause(r.sandbox_id)
-    frozen = EgressPolicy(deny_out=["0.0.0.0/0"])
-    await node.orch.sandboxes.update_network(r.sandbox_id, frozen)
-    assert node.runtime.egress(r.instance) == frozen
-    await node.orch.pauser.hibernate(r.sandbox_id)
-    await node.orch.sandboxes.update_network(
-        r.sandbox_id, CLOSED
-    )  # nothing running: kept for later
-    back, _ = await node.orch.pauser.connect(r.sandbox_id, 60)
-    assert back.instance is not None and node.runtime.egress(back.instance) == CLOSED
-    await node.orch.snapshotter.snapshot(r.sandbox_id)
-    after = node.orch.table.get(r.sandbox_id).instance
-    assert after is not None and node.runtime.egress(after) == CLOSED
-
-
-async def test_fork_children_inherit_egress_rules(node: Harness) -> None:
-    parent = await node.orch.sandboxes.create(CreateRequest(egress=CLOSED))
-    results = await node.orch.forker.fork(parent.sandbox_id, 2)
-    for res in results:
-        assert res.sandbox is not None and res.sandbox.instance is not None
-        assert res.sandbox.egress == CLOSED
-        assert node.runtime.egress(res.sandbox.instance) == CLOSED
-
-
-async def test_a_restart_puts_domain_rules_back_in_force(tmp_path: Path) -> None:
-    """The slot keeps address rules across a server restart, but the proxy that serves domain
-    rules is the server's own: recovery applies those policies again (and only those)."""
-    names = EgressPolicy(allow_out=["allowed.test"], deny_out=["0.0.0.0/0"])
-    h = build(tmp_path)
-    await h.orch.start(timers=False)
-    by_name = await h.orch.sandboxes.create(CreateRequest(egress=names))
-    by_address = await h.orch.sandboxes.create(CreateRequest(egress=CLOSED))
-    h2 = await h.restart()
-    await h2.orch.start(timers=False)
-    try:
-        again = [c for c in h2.runtime.calls if c.op == "set_egress"]
-        assert [(c.sandbox_id, c.egress) for c in again] == [(by_name.sandbox_id, names)]
-        rec = h2.orch.table.get(by_address.sandbox_id)
-        assert rec.instance is not None and h2.runtime.egress(rec.instance) == CLOSED
-    finally:
-        await h2.orch.close()
-        h2.catalog.close()
-
-
-async def test_egress_rules_survive_a_restart(tmp_path: Path) -> None:
-    h = build(tmp_path)
-    await h.orch.start(timers=False)
-    r = await h.orch.sandboxes.create(CreateRequest(egress=CLOSED))
-    h2 = await h.restart()
-    await h2.orch.start(timers=False)
-    try:
-        rec = h2.orch.table.get(r.sandbox_id)
-        assert rec.egress == CLOSED
-        assert rec.instance is not None and h2.runtime.egress(rec.instance) == CLOSED
-    finally:
-        await h2.orch.close()
-        h2.catalog.close()
-
-
-async def test_pool_sandbox_gets_the_requests_rules(tmp_path: Path) -> None:
-    async for h in started(tmp_path, sandbox_pool_size=1):
-        for _ in range(200):
-            if h.runtime.instances():
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
-        r = await h.orch.sandboxes.create(CreateRequest(egress=CLOSED))
-        assert h.runtime.ops().count("create") == 1  # the pool's sandbox was handed out
-        assert r.instance is not None and h.runtime.egress(r.instance) == CLOSED
-
-
-# ---------------------------------------------------------------------------- private traffic
-async def test_private_sandbox_ports_want_its_traffic_token(node: Harness) -> None:
-    r = await node.orch.sandboxes.create(
-        CreateRequest(public_traffic=False, mask_request_host="localhost:${PORT}", auto_resume=True)
-    )
-    other = await node.orch.sandboxes.create(CreateRequest(public_traffic=False))
-    public = await node.orch.sandboxes.create(CreateRequest())
-    token = r.traffic_access_token
-    assert token and other.traffic_access_token and token != other.traffic_access_token
-    assert public.traffic_access_token == ""
-    with pytest.raises(Forbidden):
-        await node.orch.pauser.resolve(r.sandbox_id, 3000)
-    with pytest.raises(Forbidden):
-        await node.orch.pauser.resolve(r.sandbox_id, 3000, other.traffic_access_token)
-    up = await node.orch.pauser.resolve(r.sandbox_id, 3000, token)
-    assert up.host_header == "localhost:3000"
-    # envd's port has its own token; a public sandbox wants none.
-    assert (await node.orch.pauser.resolve(r.sandbox_id, ENVD_PORT)).port == ENVD_PORT
-    assert (await node.orch.pauser.resolve(public.sandbox_id, 3000)).host_header is None
-    # A refused request does not wake a paused sandbox.
-    await node.orch.pauser.pause(r.sandbox_id)
-    with pytest.raises(Forbidden):
-        await node.orch.pauser.resolve(r.sandbox_id, 3000)
-    assert node.orch.table.get(r.sandbox_id).state is SandboxState.PAUSED
-
-
-async def test_fork_children_get_their_own_traffic_tokens(node: Harness) -> None:
-    parent = await node.orch.sandboxes.create(CreateRequest(public_traffic=False))
-    kids = [res.sandbox for res in await node.orch.forker.fork(parent.sandbox_id, 2)]
-    tokens = {k.traffic_access_token for k in kids if k is not None}
-    assert len(tokens) == 2 and "" not in tokens
-    assert parent.traffic_access_token not in tokens
 
 
 async def test_stop_listeners_hear_of_every_end_of_a_sandboxes_processes(node: Harness) -> None:

@@ -1,0 +1,198 @@
+"""`aenv exec` and the command runner against a fake control plane + fake envd on loopback
+(tests/unit/fake_aenv.py): streamed output and exit codes, command, env, cwd and user, signals,
+timeouts, stdin, keeping the sandbox alive, and envd's errors as connect errors.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from aenv.cli.connect import ConnectError, run_with
+from aenv.cli.errors import CliError
+from aenv.cli.main import app
+from aenv.cli.session import run_command
+from aenv.envd_client import EnvdClient, EnvdTarget
+from aenv.envd_wire import EnvelopeDecoder
+from tests.helpers import free_port, http_server_thread
+from tests.unit.fake_aenv import API_KEY, FakeAenv, _b64, _Handler, _one_error_line
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeAenv]:
+    state = FakeAenv()
+    handler = type("Handler", (_Handler,), {"fake": state})
+    with http_server_thread(handler) as url:
+        state.url = url
+        yield state
+
+
+@pytest.fixture
+def cli(fake: FakeAenv, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> CliRunner:
+    monkeypatch.setenv("AENV_URL", fake.url)
+    monkeypatch.setenv("AENV_API_KEY", API_KEY)
+    monkeypatch.setenv("AENV_HOME", str(tmp_path))
+    monkeypatch.delenv("AENV_CONFIG_FILE", raising=False)
+    return CliRunner()
+
+
+# -- exec -------------------------------------------------------------------------------
+
+
+def test_exec_streams_and_returns_exit_code(cli: CliRunner, fake: FakeAenv) -> None:
+    fake.add("sbx-a")
+    fake.gate.set()
+    res = cli.invoke(app, ["exec", "sbx-a", "--", "streamy"])
+    assert res.exit_code == 3
+    assert res.stdout == "out1\nout2\n"
+    assert res.stderr == "err1\n"
+    start = next(r for r in fake.requests if r[1] == "/process.Process/Start")
+    assert start[2]["E2b-Sandbox-Id"] == "sbx-a"
+    assert start[2]["X-Access-Token"] == "tok-sbx-a"
+    assert "X-API-KEY" not in start[2]  # the API key never goes to envd
+
+
+def test_exec_command_env_cwd_user(cli: CliRunner, fake: FakeAenv) -> None:
+    fake.add("sbx-a")
+    res = cli.invoke(
+        app,
+        [
+            "exec",
+            "sbx-a",
+            "--user",
+            "root",
+            "--cwd",
+            "/tmp",
+            "-e",
+            "A=b c",
+            "--",
+            "ls",
+            "-la",
+            "my dir",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out == {"cmd": "ls -la 'my dir'", "envs": {"A": "b c"}, "cwd": "/tmp"}
+    start = next(r for r in fake.requests if r[1] == "/process.Process/Start")
+    assert start[2]["Authorization"] == "Basic " + _b64(b"root:")
+    res = cli.invoke(app, ["exec", "sbx-a", "echo $HOME | wc -c"])
+    assert json.loads(res.stdout)["cmd"] == "echo $HOME | wc -c"
+
+
+def test_exec_signal_exit_code(cli: CliRunner, fake: FakeAenv) -> None:
+    fake.add("sbx-a")
+    assert cli.invoke(app, ["exec", "sbx-a", "--", "killed"]).exit_code == 137
+
+
+def test_exec_timeout_exits_124(cli: CliRunner, fake: FakeAenv) -> None:
+    fake.add("sbx-a")
+    res = cli.invoke(app, ["exec", "sbx-a", "--timeout", "1", "--", "slow"])
+    assert res.exit_code == 124
+    assert _one_error_line(res.stderr) == "aenv: command timed out after 1s"
+    start = next(r for r in fake.requests if r[1] == "/process.Process/Start")
+    assert start[2]["Connect-Timeout-Ms"] == "1000"
+
+
+def test_exec_stdin(cli: CliRunner, fake: FakeAenv) -> None:
+    fake.add("sbx-a")
+    res = cli.invoke(app, ["exec", "sbx-a", "--stdin", "--", "cat"], input="line1\nline2\n")
+    assert res.exit_code == 0, res.output
+    assert res.stdout == "line1\nline2\n"
+
+
+def _start_body(fake: FakeAenv) -> dict[str, Any]:
+    start = [r for r in fake.requests if r[1] == "/process.Process/Start"][-1]
+    return dict(json.loads(EnvelopeDecoder().feed(start[3])[0][1]))
+
+
+def test_exec_forwards_piped_stdin_by_default(cli: CliRunner, fake: FakeAenv) -> None:
+    """CliRunner's stdin is not a terminal: it is forwarded without --stdin; -I keeps it
+    back and says so to envd (which would otherwise keep the command's stdin open)."""
+    fake.add("sbx-a")
+    res = cli.invoke(app, ["exec", "sbx-a", "--", "cat"], input="piped\n")
+    assert res.exit_code == 0, res.output
+    assert res.stdout == "piped\n"
+    assert _start_body(fake)["stdin"] is True
+    res = cli.invoke(app, ["exec", "-I", "sbx-a", "--", "true"], input="held back")
+    assert res.exit_code == 0, res.output
+    assert _start_body(fake)["stdin"] is False
+
+
+def test_exec_keeps_its_sandbox_alive(cli: CliRunner, fake: FakeAenv) -> None:
+    fake.add("sbx-a")
+    res = cli.invoke(app, ["exec", "sbx-a", "-I", "--", "true"])
+    assert res.exit_code == 0, res.output
+    connects = [r for r in fake.requests if r[1] == "/v2/sandboxes/sbx-a/connect"]
+    assert connects and json.loads(connects[0][3]) == {"timeout": 300}
+
+
+def test_exec_errors(cli: CliRunner, fake: FakeAenv) -> None:
+    res = cli.invoke(app, ["exec", "nope", "--", "true"])
+    assert res.exit_code == 1 and _one_error_line(res.stderr) == "aenv: sandbox nope not found"
+    fake.add("sbx-p", state="paused")
+    res = cli.invoke(app, ["exec", "sbx-p", "--", "true"])
+    assert res.exit_code == 1 and "aenv resume sbx-p" in _one_error_line(res.stderr)
+    fake.add("sbx-a")
+    res = cli.invoke(app, ["exec", "sbx-a", "--", "broken"])
+    assert res.exit_code == 1 and "exec failed" in _one_error_line(res.stderr)
+
+
+def test_run_command_writes_output_before_the_stream_ends(fake: FakeAenv) -> None:
+    """The fake holds the stream after `out1` until the client has written it."""
+    fake.add("sbx-a")
+
+    class Sink(io.BytesIO):
+        def write(self, data: Any) -> int:
+            n = super().write(data)
+            if b"out1" in self.getvalue():
+                fake.gate.set()
+            return n
+
+    out, err = Sink(), io.BytesIO()
+    code = run_with(
+        _envd(fake, "tok-sbx-a"), lambda envd: run_command(envd, "streamy", stdout=out, stderr=err)
+    )
+    # The gate opened on out1: the output was streamed before the command ended.
+    assert code == 3 and fake.gate_ok is True
+    assert out.getvalue() == b"out1\nout2\n" and err.getvalue() == b"err1\n"
+
+
+def _envd(fake: FakeAenv, token: str) -> EnvdClient:
+    return EnvdClient(EnvdTarget.routed(fake.url, "sbx-a", token))
+
+
+def test_envd_errors_are_connect_errors(fake: FakeAenv) -> None:
+    fake.add("sbx-a")
+
+    async def stream(envd: EnvdClient) -> list[dict[str, Any]]:
+        return [m async for m in envd.stream("process.Process/Start", {"process": {"cmd": "x"}})]
+
+    with pytest.raises(ConnectError) as exc:
+        run_with(_envd(fake, "wrong"), stream)
+    assert exc.value.code == "unauthenticated" and exc.value.status == 401
+    with pytest.raises(ConnectError) as exc:
+        run_with(
+            _envd(fake, "tok-sbx-a"),
+            lambda envd: envd.unary(
+                "process.Process/SendInput", {"process": {"pid": 1}, "input": {}}
+            ),
+        )
+    assert exc.value.code == "not_found"
+    assert isinstance(exc.value, CliError)
+
+
+def test_an_unreachable_server_is_one_line_naming_it() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(CliError) as exc:
+        run_with(
+            EnvdClient(EnvdTarget.routed(url, "sbx-a", "t")),
+            lambda envd: envd.unary("process.Process/SendInput", {}),
+        )
+    assert not isinstance(exc.value, ConnectError)
+    assert exc.value.message.startswith(f"cannot reach the aenv server at {url}: ")
