@@ -23,6 +23,9 @@ def root_restored() -> Iterator[None]:
         n: (logging.getLogger(n).handlers[:], logging.getLogger(n).propagate)
         for n in ("uvicorn", "uvicorn.error", "uvicorn.access")
     }
+    for n in loggers:  # as in a fresh server process (other tests ran uvicorn's defaults)
+        logging.getLogger(n).handlers[:] = []
+        logging.getLogger(n).propagate = True
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
