@@ -151,7 +151,7 @@ def cluster(s3_endpoint: str) -> Iterator[Cluster]:
             with contextlib.suppress(OSError):
                 logs.mkdir(parents=True, exist_ok=True)
                 for f in work.glob("gateway-*.log"):
-                    (logs / f"cluster-{f.name}").write_bytes(f.read_bytes())
+                    (logs / f"{netplan.name('cl')}-{f.name}").write_bytes(f.read_bytes())
 
 
 def test_nodes_register_with_networks_of_their_own(cluster: Cluster) -> None:

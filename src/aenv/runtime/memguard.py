@@ -17,7 +17,10 @@ So, per running container, on cgroup v1 (this host's; without it nothing changes
 * the kernel's OOM killer is switched off for the cgroup (`memory.oom_control`) and an
   eventfd fires when the cgroup is out of memory: its tasks then wait instead of dying, so
   the limit is raised by RESCUE_BYTES (envd needs room to do the kill) and the listener told
-  again; after RESCUES of those the kernel's killer is let back, as before.
+  again; after RESCUES of those the kernel's killer is let back, as before. Rescues come at
+  most one per RESCUE_GAP seconds: the process that ran out takes each one at once, and on
+  a loaded machine the node's kill through envd takes seconds, so rescues paced by the
+  clock (the tasks wait meanwhile) give it RESCUES * RESCUE_GAP seconds, not milliseconds.
 
 Push, not poll: two eventfds per sandbox in the event loop, nothing on a timer.
 """
@@ -28,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +43,8 @@ log = logging.getLogger("aenv.runtime")
 MIB = 1 << 20
 MIN_HEADROOM = 128 * MIB
 RESCUE_BYTES = 64 * MIB
-RESCUES = 4
+RESCUES = 6
+RESCUE_GAP = 1.0
 
 
 def headroom(size: int) -> int:
@@ -56,6 +61,9 @@ class _Guard:
     threshold_fd: int
     oom_fd: int
     rescues: int = 0
+    last_rescue: float = 0.0
+    # The next rescue, when one came too soon after the last.
+    pending: asyncio.TimerHandle | None = None
 
 
 class MemoryGuard:
@@ -101,6 +109,8 @@ class MemoryGuard:
         if g is None:
             return
         loop = asyncio.get_running_loop()
+        if g.pending is not None:
+            g.pending.cancel()
         for fd in (g.threshold_fd, g.oom_fd):
             loop.remove_reader(fd)
         for fd in g.fds:
@@ -139,6 +149,17 @@ class MemoryGuard:
     def _out_of_memory(self, g: _Guard) -> None:
         if not self._drain(g, g.oom_fd):
             return
+        wait = g.last_rescue + RESCUE_GAP - time.monotonic()
+        if g.rescues and wait > 0:
+            if g.pending is None:
+                g.pending = asyncio.get_running_loop().call_later(wait, self._rescue, g)
+            return
+        self._rescue(g)
+
+    def _rescue(self, g: _Guard) -> None:
+        g.pending = None
+        if self._guards.get(g.cid) is not g:
+            return
         try:
             under = "under_oom 1" in (g.dir / "memory.oom_control").read_text()
             if not under:
@@ -149,6 +170,7 @@ class MemoryGuard:
                 _write(g.dir / "memory.oom_control", 0)
                 return
             g.rescues += 1
+            g.last_rescue = time.monotonic()
             g.limit += RESCUE_BYTES
             _raise_limit(g.dir, g.limit)
         except OSError as e:
