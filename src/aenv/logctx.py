@@ -18,6 +18,8 @@ from contextvars import ContextVar
 from datetime import UTC, datetime
 
 sandbox_id_var: ContextVar[str | None] = ContextVar("aenv_sandbox_id", default=None)
+# The API request a line is about (`X-Request-Id`), when it is about one.
+request_id_var: ContextVar[str | None] = ContextVar("aenv_request_id", default=None)
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -39,11 +41,14 @@ def about(sandbox_id: str) -> None:
 
 
 class SandboxIdFilter(logging.Filter):
-    """Puts the current sandbox id on each record (`record.sandbox_id`, None if none)."""
+    """Puts the current sandbox id and request id on each record (`record.sandbox_id`,
+    `record.request_id`, None if none)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not hasattr(record, "sandbox_id"):
             record.sandbox_id = sandbox_id_var.get()
+        if not hasattr(record, "request_id"):
+            record.request_id = request_id_var.get()
         return True
 
 
@@ -54,7 +59,9 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         sid = getattr(record, "sandbox_id", None)
-        return f"{line} sandbox_id={sid}" if sid else line
+        rid = getattr(record, "request_id", None)
+        line = f"{line} sandbox_id={sid}" if sid else line
+        return f"{line} request_id={rid}" if rid else line
 
 
 class JsonFormatter(logging.Formatter):
@@ -68,6 +75,9 @@ class JsonFormatter(logging.Formatter):
         sid = getattr(record, "sandbox_id", None)
         if sid:
             out["sandbox_id"] = sid
+        rid = getattr(record, "request_id", None)
+        if rid:
+            out["request_id"] = rid
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)

@@ -22,6 +22,7 @@ from aenv.serving import Lifespan
 from .errors import install_error_handlers
 from .idempotency import IdempotencyCache
 from .limits import BodyLimit
+from .requestid import RequestId
 from .routes import (
     builds,
     cluster,
@@ -65,6 +66,8 @@ def create_control_app(
     app.add_middleware(
         BodyLimit, exempt=lambda path: path.startswith(("/build-files/", "/volumecontent/"))
     )
+    # Outermost: the id is on every answer, the body limit's 413 included.
+    app.add_middleware(RequestId, access_log=settings.access_log)
     app.include_router(health.router)
     app.include_router(docs.router)
     # Before sandboxes: its `/sandboxes/{id}` would take `/sandboxes/metrics`.

@@ -121,6 +121,10 @@ class Settings(BaseSettings):
     # The server's log lines: `text` (`... sandbox_id=ID` at the end of a line about a
     # sandbox) or `json` (one object a line, `sandbox_id` a key).
     log_format: Literal["text", "json"] = "text"
+    # One log line per API request (method, path, status, milliseconds, request id): off
+    # by default, since a busy node answers thousands a second. Every answer carries its
+    # `X-Request-Id` either way.
+    access_log: bool = False
     # Sandboxes of the default template booted ahead of demand (envd up, not yet assigned):
     # a create that matches takes one and only has to initialise envd.
     sandbox_pool_size: int = 2
