@@ -43,7 +43,7 @@ run: install
 
 # The linters, then the whole suite (unit tests first: they are fast), every failure
 # reported and every skip with its reason; a skip for something `make install` provides
-# fails the run (AENV_STRICT_SKIPS, tests/conftest.py). The import contracts are a unit test.
+# fails the run (AENV_STRICT_SKIPS, tests/conftest.py). The import contracts run first (lint).
 test: install lint
 	AENV_STRICT_SKIPS=1 $(BIN)/python -m pytest -q -rs --timeout=600 tests/unit tests/contract tests/integration
 
@@ -61,6 +61,7 @@ lint: venv contracts
 # The import contracts: the layer order, no circles, the orchestrator seen only through its
 # package (every import counts, in functions and under TYPE_CHECKING too).
 contracts: venv
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit/test_import_layers.py
 
 bench: install
