@@ -1,15 +1,21 @@
-"""Shared unit-test fixtures."""
+"""Shared unit-test fixtures: envd on the host, and for the API's tests a started node (the
+real orchestrator on the fake runtime, `tests/node_harness.py`) with a client of its app
+holding the test key (a module that needs other settings defines its own `node`)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.helpers import SRC, free_port, wait_healthy
+from tests.node_harness import Harness, started
+from tests.unit.api_node import API_KEY, api_client
 
 
 @pytest.fixture(scope="session")
@@ -38,3 +44,15 @@ def envd_launcher() -> Iterator[Callable[..., str]]:
             p.wait(5)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+@pytest.fixture
+async def node(tmp_path: Path) -> AsyncIterator[Harness]:
+    async for h in started(tmp_path, api_key=API_KEY):
+        yield h
+
+
+@pytest.fixture
+async def client(node: Harness) -> AsyncIterator[httpx.AsyncClient]:
+    async with api_client(node) as c:
+        yield c

@@ -24,19 +24,6 @@ from aenv.server import node_app
 from tests.node_harness import Harness, build, started
 from tests.unit.api_node import API_KEY, api_client, assert_error, assert_nothing_created, running
 
-
-@pytest.fixture
-async def node(tmp_path: Path) -> AsyncIterator[Harness]:
-    async for h in started(tmp_path, api_key=API_KEY):
-        yield h
-
-
-@pytest.fixture
-async def client(node: Harness) -> AsyncIterator[httpx.AsyncClient]:
-    async with api_client(node) as c:
-        yield c
-
-
 # --------------------------------------------------------------------------------------------
 # health, auth, errors
 

@@ -4,8 +4,6 @@ makes or touches a sandbox."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,21 +16,8 @@ from aenv.api.inputs import (
 )
 from aenv.domain import SandboxState as State
 from aenv.envd.envrules import MAX_ENV_TOTAL_BYTES, MAX_ENV_VALUE_BYTES, env_problem
-from tests.node_harness import Harness, started
-from tests.unit.api_node import API_KEY, api_client, assert_error, assert_nothing_created, running
-
-
-@pytest.fixture
-async def node(tmp_path: Path) -> AsyncIterator[Harness]:
-    async for h in started(tmp_path, api_key=API_KEY):
-        yield h
-
-
-@pytest.fixture
-async def client(node: Harness) -> AsyncIterator[httpx.AsyncClient]:
-    async with api_client(node) as c:
-        yield c
-
+from tests.node_harness import Harness
+from tests.unit.api_node import assert_error, assert_nothing_created, running
 
 CREATE_PATHS = ("/sandboxes", "/v2/sandboxes", "/sandboxes-cold")
 

@@ -4,7 +4,7 @@ the node served by uvicorn."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -15,20 +15,8 @@ import pytest
 from aenv.domain import EgressPolicy, PauseTier
 from aenv.domain import SandboxState as State
 from aenv.runtime.fake import FakeState
-from tests.node_harness import Harness, build, started
-from tests.unit.api_node import API_KEY, api_client, assert_error, running, served
-
-
-@pytest.fixture
-async def node(tmp_path: Path) -> AsyncIterator[Harness]:
-    async for h in started(tmp_path, api_key=API_KEY):
-        yield h
-
-
-@pytest.fixture
-async def client(node: Harness) -> AsyncIterator[httpx.AsyncClient]:
-    async with api_client(node) as c:
-        yield c
+from tests.node_harness import Harness, build
+from tests.unit.api_node import API_KEY, assert_error, running, served
 
 
 async def test_kill(client: httpx.AsyncClient, node: Harness) -> None:

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -20,20 +18,8 @@ from aenv.domain import CreateRequest, SandboxRecord
 from aenv.domain import SandboxState as State
 from aenv.errors import BadRequest
 from aenv.runtime.fake import Call
-from tests.node_harness import Harness, started
-from tests.unit.api_node import API_KEY, api_client, assert_error, paused, running
-
-
-@pytest.fixture
-async def node(tmp_path: Path) -> AsyncIterator[Harness]:
-    async for h in started(tmp_path, api_key=API_KEY):
-        yield h
-
-
-@pytest.fixture
-async def client(node: Harness) -> AsyncIterator[httpx.AsyncClient]:
-    async with api_client(node) as c:
-        yield c
+from tests.node_harness import Harness
+from tests.unit.api_node import assert_error, paused, running
 
 
 async def test_get_detail_shape(client: httpx.AsyncClient, node: Harness) -> None:
