@@ -9,13 +9,17 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
-from tests.helpers import SRC, free_port, wait_healthy
+from tests.helpers import SRC, free_port, http_server_thread, wait_healthy
 from tests.node_harness import Harness, started
 from tests.unit.api_node import API_KEY, api_client
+from tests.unit.fake_aenv import API_KEY as CLI_KEY
+from tests.unit.fake_aenv import FakeAenv, _Handler
 
 
 @pytest.fixture(scope="session")
@@ -56,3 +60,23 @@ async def node(tmp_path: Path) -> AsyncIterator[Harness]:
 async def client(node: Harness) -> AsyncIterator[httpx.AsyncClient]:
     async with api_client(node) as c:
         yield c
+
+
+# The CLI's tests (test_cli.py, test_cli_exec.py): a fake control plane and envd on
+# loopback, and the CLI pointed at it.
+@pytest.fixture
+def fake() -> Iterator[FakeAenv]:
+    state = FakeAenv()
+    handler = type("Handler", (_Handler,), {"fake": state})
+    with http_server_thread(handler) as url:
+        state.url = url
+        yield state
+
+
+@pytest.fixture
+def cli(fake: FakeAenv, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> CliRunner:
+    monkeypatch.setenv("AENV_URL", fake.url)
+    monkeypatch.setenv("AENV_API_KEY", CLI_KEY)
+    monkeypatch.setenv("AENV_HOME", str(tmp_path))
+    monkeypatch.delenv("AENV_CONFIG_FILE", raising=False)
+    return CliRunner()

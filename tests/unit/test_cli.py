@@ -17,7 +17,6 @@ import subprocess
 import sys
 import termios
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,27 +25,8 @@ from typer.testing import CliRunner
 from aenv.cli.main import app
 from aenv.cli.session import exit_code_of, signal_number
 from aenv.envd_wire import EnvelopeDecoder, parse_process_event
-from tests.helpers import free_port, http_server_thread, wait_until
-from tests.unit.fake_aenv import API_KEY, FakeAenv, _Handler, _one_error_line
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeAenv]:
-    state = FakeAenv()
-    handler = type("Handler", (_Handler,), {"fake": state})
-    with http_server_thread(handler) as url:
-        state.url = url
-        yield state
-
-
-@pytest.fixture
-def cli(fake: FakeAenv, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> CliRunner:
-    monkeypatch.setenv("AENV_URL", fake.url)
-    monkeypatch.setenv("AENV_API_KEY", API_KEY)
-    monkeypatch.setenv("AENV_HOME", str(tmp_path))
-    monkeypatch.delenv("AENV_CONFIG_FILE", raising=False)
-    return CliRunner()
-
+from tests.helpers import free_port, wait_until
+from tests.unit.fake_aenv import API_KEY, FakeAenv, _one_error_line
 
 # -- exit codes (the wire format itself: test_envd_wire.py) -----------------------------
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,27 +18,8 @@ from aenv.cli.main import app
 from aenv.cli.session import run_command
 from aenv.envd_client import EnvdClient, EnvdTarget
 from aenv.envd_wire import EnvelopeDecoder
-from tests.helpers import free_port, http_server_thread
-from tests.unit.fake_aenv import API_KEY, FakeAenv, _b64, _Handler, _one_error_line
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeAenv]:
-    state = FakeAenv()
-    handler = type("Handler", (_Handler,), {"fake": state})
-    with http_server_thread(handler) as url:
-        state.url = url
-        yield state
-
-
-@pytest.fixture
-def cli(fake: FakeAenv, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> CliRunner:
-    monkeypatch.setenv("AENV_URL", fake.url)
-    monkeypatch.setenv("AENV_API_KEY", API_KEY)
-    monkeypatch.setenv("AENV_HOME", str(tmp_path))
-    monkeypatch.delenv("AENV_CONFIG_FILE", raising=False)
-    return CliRunner()
-
+from tests.helpers import free_port
+from tests.unit.fake_aenv import FakeAenv, _b64, _one_error_line
 
 # -- exec -------------------------------------------------------------------------------
 
