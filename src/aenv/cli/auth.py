@@ -22,7 +22,7 @@ from .credentials import (
 )
 from .errors import CliError
 from .options import OutputFormat, note
-from .output import format_mb, print_json, print_table
+from .output import format_mb, print_document
 from .state import CliState, state_of
 
 
@@ -259,11 +259,8 @@ def status(
     """
     state = state_of(ctx)
     info, error = _gather(state)
-    if output is OutputFormat.json:
-        if error is not None:
-            info["error"] = error.message
-        print_json(info)
-    else:
-        print_table(_status_table(info))
+    if error is not None and output in (OutputFormat.json, OutputFormat.yaml):
+        info["error"] = error.message
+    print_document(info, output, _status_table)
     if error is not None:
         raise error

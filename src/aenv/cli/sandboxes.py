@@ -22,10 +22,11 @@ from .options import (
     EnvOpt,
     OutputFormat,
     OutputOpt,
+    QuietOpt,
     UserOpt,
+    WatchOpt,
     note,
     pairs,
-    wants_json,
 )
 from .state import CliState, state_of
 from .volumes import mount_specs
@@ -346,6 +347,8 @@ def ls(
         ),
     ] = None,
     output: AutoOutputOpt = None,
+    quiet: QuietOpt = False,
+    watch: WatchOpt = False,
 ) -> None:
     """List sandboxes: a table on a terminal, JSON when piped (or as -o says).
 
@@ -353,12 +356,14 @@ def ls(
 
     ```
     aenv ls
-    aenv ls -s paused
-    aenv ls -m team=ml -m env=dev -o table
-    aenv ls | jq -r '.[].sandboxID'
+    aenv ls -s paused -o wide
+    aenv ls -m team=ml -m env=dev -o yaml
+    aenv ls -q | xargs aenv rm          # IDs only
+    aenv ls -w                          # redraw on change until Ctrl-C
     ```
     """
-    from .output import print_listing, sandbox_table
+    from .output import SANDBOXES, resolve_format
+    from .watch import show_listing
 
     if state_filter:
         states = [s.strip() for s in state_filter.split(",") if s.strip()]
@@ -366,9 +371,16 @@ def ls(
         if bad or not states:
             raise CliError(f"--state takes running, paused or both, got {state_filter!r}")
         state_filter = ",".join(states)
+    meta = pairs(metadata, "--metadata")
+    fmt = resolve_format(output, piped=OutputFormat.json)
     with state_of(ctx).control() as cp:
-        sandboxes = cp.list_sandboxes(state=state_filter, metadata=pairs(metadata, "--metadata"))
-    print_listing(sandboxes, as_json=wants_json(output), empty="no sandboxes", table=sandbox_table)
+        show_listing(
+            lambda: cp.list_sandboxes(state=state_filter, metadata=meta),
+            SANDBOXES,
+            fmt,
+            quiet,
+            watch,
+        )
 
 
 def rm(
@@ -381,7 +393,7 @@ def rm(
 
     ```
     aenv rm i1a2b3c4d5
-    aenv ls -s paused | jq -r '.[].sandboxID' | xargs aenv rm
+    aenv ls -s paused -q | xargs aenv rm
     ```
     """
     failed = False
@@ -471,13 +483,11 @@ def inspect(
     ```
     aenv inspect i1a2b3c4d5
     aenv inspect i1a2b3c4d5 -o json | jq .endAt
+    aenv inspect i1a2b3c4d5 -o yaml
     ```
     """
-    from .output import info_table, print_json, print_table
+    from .output import info_table, print_document
 
     with state_of(ctx).control() as cp:
         data = cp.get_sandbox(sandbox_id)
-    if output is OutputFormat.json:
-        print_json(data)
-    else:
-        print_table(info_table(data))
+    print_document(data, output, info_table)
