@@ -22,15 +22,19 @@ from ..config import Settings
 from ..errors import AenvError
 from . import auth, copy, keys, nodes, observe, sandboxes, snapshots, tags, templates, volumes
 from .bench import bench
-from .errors import CliError, one_line
+from .errors import EXIT_AENV, EXIT_FAILURE, CliError, one_line
 from .state import CliState, state_of
+
+# The commands whose exit code is a sandboxed command's: their own failures exit 125
+# (usage mistakes included), never a code the command could have returned (errors.py).
+PASSES_EXIT_CODE = frozenset({"exec", "start", "connect"})
 
 
 class AenvGroup(TyperGroup):
     """Turns every failure into one `aenv: <message>` line on stderr and a non-zero exit
     code: expected ones (CliError, AenvError), usage errors (exit code 2), local I/O errors
-    and, as a last resort, unexpected exceptions. `--debug` (or AENV_DEBUG=1) adds the
-    traceback."""
+    and, as a last resort, unexpected exceptions; 125 for all of them in the commands of
+    PASSES_EXIT_CODE. `--debug` (or AENV_DEBUG=1) adds the traceback."""
 
     def make_context(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -41,26 +45,36 @@ class AenvGroup(TyperGroup):
     def invoke(self, ctx: Any) -> Any:  # typer's (vendored) click.Context
         try:
             return super().invoke(ctx)
+        except BaseException:
+            # Which command failed: the group sets it before parsing the command's options,
+            # so a usage error of `exec` knows it too.
+            passes = ctx.invoked_subcommand in PASSES_EXIT_CODE
+            self._fail_with(ctx, EXIT_AENV if passes else EXIT_FAILURE, passes)
+
+    def _fail_with(self, ctx: Any, failed: int, passes: bool) -> NoReturn:
+        """The exception being handled as one line and its exit code."""
+        try:
+            raise
         except CliError as exc:
-            _fail(exc.message, exc.exit_code, ctx)
+            _fail(exc.message, exc.exit_code_in(passes), ctx)
         except AenvError as exc:  # from in-process work: `server`, `template build-base`
-            _fail(exc.message, 1, ctx)
+            _fail(exc.message, failed, ctx)
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
         except _click.exceptions.UsageError as exc:
-            _usage_fail(exc)
+            _usage_fail(exc, EXIT_AENV if passes else None)
         except (_click.exceptions.ClickException, typer.Exit, typer.Abort):
             raise
         except OSError as exc:
             if exc.errno == errno.EPIPE:
                 raise  # typer's main exits quietly on a closed pipe (`aenv ls | head`)
             where = f"{exc.filename}: " if exc.filename else ""
-            _fail(f"{where}{exc.strerror or exc}", 1, ctx)
+            _fail(f"{where}{exc.strerror or exc}", failed, ctx)
         except Exception as exc:  # a bug: still one line, the traceback with --debug
             _fail(
                 f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the "
                 "traceback)",
-                1,
+                failed,
                 ctx,
             )
 
@@ -72,7 +86,7 @@ def _debug(ctx: Any) -> bool:
     return os.environ.get("AENV_DEBUG", "").lower() in ("1", "true", "yes")
 
 
-def _fail(message: str, code: int = 1, ctx: Any = None) -> NoReturn:
+def _fail(message: str, code: int = EXIT_FAILURE, ctx: Any = None) -> NoReturn:
     if _debug(ctx):
         traceback.print_exc()
     sys.stderr.write(f"aenv: {one_line(message)}\n")
@@ -80,14 +94,15 @@ def _fail(message: str, code: int = 1, ctx: Any = None) -> NoReturn:
     raise typer.Exit(code)
 
 
-def _usage_fail(exc: Any) -> NoReturn:
-    """A usage error as one line naming the command's --help (exit code 2, as click's)."""
+def _usage_fail(exc: Any, code: int | None = None) -> NoReturn:
+    """A usage error as one line naming the command's --help (exit code 2, as click's;
+    `code` when given)."""
     if isinstance(exc, _click.exceptions.NoArgsIsHelpError):
         raise exc  # `aenv template` alone: the help, as asked for
     path = exc.ctx.command_path if exc.ctx is not None else "aenv"
     sys.stderr.write(f"aenv: {one_line(exc.format_message())} (see `{path} --help`)\n")
     sys.stderr.flush()
-    raise typer.Exit(exc.exit_code)
+    raise typer.Exit(exc.exit_code if code is None else code)
 
 
 app = typer.Typer(
