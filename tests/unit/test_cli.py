@@ -130,7 +130,10 @@ def test_bad_api_key_names_the_fix(cli: CliRunner) -> None:
     res = cli.invoke(app, ["--api-key", "wrong", "ls"])
     assert res.exit_code == 1
     line = _one_error_line(res.stderr)
-    assert "Invalid API key" in line and "AENV_API_KEY" in line
+    assert "Invalid API key" in line and "check --api-key" in line
+    # The hint names where the refused key came from.
+    res = cli.invoke(app, ["ls"], env={"AENV_API_KEY": "wrong"})
+    assert "check AENV_API_KEY" in _one_error_line(res.stderr)
 
 
 def test_api_key_read_from_aenv_home(

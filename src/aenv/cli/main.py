@@ -20,9 +20,22 @@ from typer.core import TyperGroup
 from .. import __version__
 from ..config import Settings
 from ..errors import AenvError
-from . import auth, copy, keys, nodes, observe, sandboxes, snapshots, tags, templates, volumes
+from . import (
+    auth,
+    contexts,
+    copy,
+    keys,
+    nodes,
+    observe,
+    sandboxes,
+    snapshots,
+    tags,
+    templates,
+    volumes,
+)
 from .bench import bench
 from .errors import EXIT_AENV, EXIT_FAILURE, CliError, one_line
+from .global_flags import spread_global_flags
 from .state import CliState, state_of
 
 # The commands whose exit code is a sandboxed command's: their own failures exit 125
@@ -35,6 +48,11 @@ class AenvGroup(TyperGroup):
     code: expected ones (CliError, AenvError), usage errors (exit code 2), local I/O errors
     and, as a last resort, unexpected exceptions; 125 for all of them in the commands of
     PASSES_EXIT_CODE. `--debug` (or AENV_DEBUG=1) adds the traceback."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # typer builds the subcommands first: they are all here to take the root's flags.
+        spread_global_flags(self)
 
     def make_context(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -125,6 +143,11 @@ node_app = typer.Typer(help="Nodes of a cluster (through a gateway).", no_args_i
 tags_app = typer.Typer(
     help="A template's tags: names of its builds (E2B's template tags).", no_args_is_help=True
 )
+context_app = typer.Typer(
+    help="Contexts: saved servers and their keys; one is current (`--context` picks "
+    "another for one call).",
+    no_args_is_help=True,
+)
 keys_app = typer.Typer(
     help="API keys of this node (run on the node host; no server needed).", no_args_is_help=True
 )
@@ -143,10 +166,10 @@ def main(
         str | None,
         typer.Option(
             "--url",
-            envvar="AENV_URL",
             help=(
-                "Server URL (default: http://$AENV_LISTEN, i.e. http://127.0.0.1:8000; https "
-                "when AENV_TLS_CERT is set; AENV_TLS_VERIFY=false|CA-FILE for its certificate)."
+                "Server URL (else AENV_URL, E2B_API_URL, https://api.$E2B_DOMAIN, the "
+                "context, then http://$AENV_LISTEN; https when AENV_TLS_CERT is set; "
+                "AENV_TLS_VERIFY=false|CA-FILE for its certificate). Anywhere on the line."
             ),
         ),
     ] = None,
@@ -154,9 +177,19 @@ def main(
         str | None,
         typer.Option(
             "--api-key",
-            envvar="AENV_API_KEY",
             show_default=False,
-            help="API key (default: read from $AENV_HOME/secrets/api-key).",
+            help="API key (else AENV_API_KEY, E2B_API_KEY, the context's, then "
+            "$AENV_HOME/secrets/api-key). Anywhere on the line.",
+        ),
+    ] = None,
+    context: Annotated[
+        str | None,
+        typer.Option(
+            "--context",
+            metavar="NAME",
+            show_default=False,
+            help="Use this saved context (server and key) for this call (else "
+            "AENV_CONTEXT, else the current one: `aenv context`).",
         ),
     ] = None,
     version: Annotated[
@@ -186,7 +219,7 @@ def main(
     Every command has examples in its --help. Errors are one `aenv: ...` line on stderr
     with a non-zero exit code (--debug adds the traceback).
     """
-    ctx.obj = CliState(url_option=url, api_key_option=api_key, debug=debug)
+    ctx.obj = CliState(url_option=url, api_key_option=api_key, debug=debug, context_option=context)
 
 
 ListenOption = Annotated[
@@ -285,6 +318,13 @@ app.add_typer(node_app, name="node", rich_help_panel=SETUP)
 node_app.command("ls")(nodes.node_ls)
 node_app.command("drain")(nodes.node_drain)
 node_app.command("undrain")(nodes.node_undrain)
+
+app.add_typer(context_app, name="context", rich_help_panel=SETUP)
+context_app.command("ls")(contexts.context_ls)
+context_app.command("use")(contexts.context_use)
+context_app.command("add")(contexts.context_add)
+context_app.command("rm")(contexts.context_rm)
+context_app.command("show")(contexts.context_show)
 
 app.add_typer(keys_app, name="keys", rich_help_panel=SETUP)
 keys_app.command("create")(keys.keys_create)
