@@ -24,6 +24,7 @@ from . import (
     auth,
     contexts,
     copy,
+    execute,
     keys,
     nodes,
     observe,
@@ -273,7 +274,7 @@ app.command("auth", rich_help_panel=SETUP)(auth.auth)
 app.command("status", rich_help_panel=SETUP)(auth.status)
 app.command("start", rich_help_panel=SANDBOXES)(sandboxes.start)
 app.command("connect", rich_help_panel=SANDBOXES)(sandboxes.connect_)
-app.command("exec", rich_help_panel=SANDBOXES)(sandboxes.exec_)
+app.command("exec", rich_help_panel=SANDBOXES)(execute.exec_)
 app.command("ls", rich_help_panel=SANDBOXES)(sandboxes.ls)
 app.command("inspect", rich_help_panel=SANDBOXES)(sandboxes.inspect)
 app.command("info", hidden=True)(sandboxes.inspect)  # the old name of `inspect`

@@ -65,6 +65,13 @@ def stdout_is_tty() -> bool:
         return False
 
 
+def stdin_is_tty() -> bool:
+    try:
+        return sys.stdin.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def wants_json(output: OutputFormat | None) -> bool:
     """JSON when asked for, or by default when stdout is not a terminal (a pipe, a file)."""
     if output is None:
