@@ -79,4 +79,8 @@ def cli(fake: FakeAenv, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> CliRu
     monkeypatch.setenv("AENV_API_KEY", CLI_KEY)
     monkeypatch.setenv("AENV_HOME", str(tmp_path))
     monkeypatch.delenv("AENV_CONFIG_FILE", raising=False)
+    # Nothing of the user's own: no saved contexts, no E2B variables, no context chosen.
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    for var in ("AENV_CONTEXT", "E2B_API_KEY", "E2B_API_URL", "E2B_DOMAIN"):
+        monkeypatch.delenv(var, raising=False)
     return CliRunner()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import queue
+import re
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -244,11 +245,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "application/connect+json")
         self.end_headers()
+        args = req["process"].get("args") or []
+        refusal = _START_REFUSALS.get(args[-1] if args else "")
+        if refusal is not None:  # envd could not start it: an error, no start event
+            code, message = refusal
+            self.wfile.write(encode_envelope({"error": {"code": code, "message": message}}, 2))
+            return
         pid = fake.new_pid()
         self._emit({"start": {"pid": pid}})
         self._emit({"keepalive": {}})
         proc = req["process"]
-        if "pty" in req:
+        if "pty" in req and proc["args"] == ["-l", "-c", "tty-hello"]:
+            self._emit({"data": {"pty": _b64(b"hello\r\n")}})
+            self._emit({"end": {"exitCode": 5, "exited": True, "status": "exit status 5"}})
+        elif "pty" in req:
             # A toy shell: echoes typed input back as PTY output, exits at ^D.
             self._emit({"data": {"pty": _b64(b"$ ")}})
             while True:
@@ -270,6 +280,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._emit({"data": {"stderr": _b64(b"err1\n")}})
                 self._emit({"data": {"stdout": _b64(b"out2\n")}})
                 self._emit({"end": {"exitCode": 3, "exited": True, "status": "exit status 3"}})
+            elif (m := re.fullmatch(r"exit (\d+)", cmd)) is not None:
+                n = int(m.group(1))
+                self._emit({"end": {"exitCode": n, "exited": True, "status": f"exit status {n}"}})
             elif cmd == "killed":
                 self._emit({"end": {"exitCode": -1, "status": "signal: killed"}})
             elif cmd == "cat":
@@ -292,6 +305,20 @@ class _Handler(BaseHTTPRequestHandler):
                 self._emit({"end": {"exited": True, "status": "exit status 0"}})
         self.wfile.write(encode_envelope({}, 2))
         self.wfile.flush()
+
+
+# Commands envd refuses to start, with its answers (aenv's envd words them so).
+_START_REFUSALS = {
+    "no-shell": (
+        "invalid_argument",
+        "failed to start process: [Errno 2] No such file or directory: '/bin/bash'",
+    ),
+    "no-permission": (
+        "permission_denied",
+        "failed to start process: [Errno 13] Permission denied: '/bin/bash'",
+    ),
+    "bad-cwd": ("invalid_argument", "cwd '/nope' does not exist"),
+}
 
 
 def _one_error_line(stderr: str) -> str:

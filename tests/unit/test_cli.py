@@ -114,9 +114,14 @@ def test_rm_unknown_id_is_one_line_and_exit_1(cli: CliRunner, fake: FakeAenv) ->
 
 def test_server_unreachable_is_one_line(cli: CliRunner) -> None:
     port = free_port()
-    for args in (["ls"], ["rm", "x"], ["exec", "x", "--", "true"], ["start", "-d"]):
+    for args, code in (
+        (["ls"], 1),
+        (["rm", "x"], 1),
+        (["exec", "x", "--", "true"], 125),  # a command's code passes through exec: docker's
+        (["start", "-d"], 125),
+    ):
         res = cli.invoke(app, ["--url", f"http://127.0.0.1:{port}", *args])
-        assert res.exit_code == 1, args
+        assert res.exit_code == code, args
         line = _one_error_line(res.stderr)
         assert line.startswith(f"aenv: cannot reach the aenv server at http://127.0.0.1:{port}")
 
@@ -125,7 +130,10 @@ def test_bad_api_key_names_the_fix(cli: CliRunner) -> None:
     res = cli.invoke(app, ["--api-key", "wrong", "ls"])
     assert res.exit_code == 1
     line = _one_error_line(res.stderr)
-    assert "Invalid API key" in line and "AENV_API_KEY" in line
+    assert "Invalid API key" in line and "check --api-key" in line
+    # The hint names where the refused key came from.
+    res = cli.invoke(app, ["ls"], env={"AENV_API_KEY": "wrong"})
+    assert "check AENV_API_KEY" in _one_error_line(res.stderr)
 
 
 def test_api_key_read_from_aenv_home(
@@ -177,7 +185,7 @@ def test_start_detach_prints_id(cli: CliRunner, fake: FakeAenv) -> None:
 
 def test_start_bad_pair_is_usage_error(cli: CliRunner, fake: FakeAenv) -> None:
     res = cli.invoke(app, ["start", "-d", "--env", "NOEQUALS"])
-    assert res.exit_code == 1
+    assert res.exit_code == 125  # start passes a shell's code through: its own are 125
     assert "KEY=VALUE" in _one_error_line(res.stderr)
     assert fake.sandboxes == {}
 

@@ -112,15 +112,81 @@ def test_exec_keeps_its_sandbox_alive(cli: CliRunner, fake: FakeAenv) -> None:
     assert connects and json.loads(connects[0][3]) == {"timeout": 300}
 
 
-def test_exec_errors(cli: CliRunner, fake: FakeAenv) -> None:
+def test_exec_errors_of_aenv_itself_exit_125(cli: CliRunner, fake: FakeAenv) -> None:
+    """docker's convention: 125 is aenv's own failure, never a code the command gave."""
     res = cli.invoke(app, ["exec", "nope", "--", "true"])
-    assert res.exit_code == 1 and _one_error_line(res.stderr) == "aenv: sandbox nope not found"
+    assert res.exit_code == 125 and _one_error_line(res.stderr) == "aenv: sandbox nope not found"
     fake.add("sbx-p", state="paused")
     res = cli.invoke(app, ["exec", "sbx-p", "--", "true"])
-    assert res.exit_code == 1 and "aenv resume sbx-p" in _one_error_line(res.stderr)
+    assert res.exit_code == 125 and "aenv resume sbx-p" in _one_error_line(res.stderr)
     fake.add("sbx-a")
     res = cli.invoke(app, ["exec", "sbx-a", "--", "broken"])
-    assert res.exit_code == 1 and "exec failed" in _one_error_line(res.stderr)
+    assert res.exit_code == 125 and "exec failed" in _one_error_line(res.stderr)
+    # Usage mistakes too (a command's 2 would be ambiguous).
+    for args in (["exec"], ["exec", "sbx-a", "--bogus", "--", "true"], ["exec", "sbx-a"]):
+        res = cli.invoke(app, args)
+        assert res.exit_code == 125, args
+        assert _one_error_line(res.stderr).startswith("aenv: ")
+    # Outside the commands that pass a code through, a failure stays 1.
+    assert cli.invoke(app, ["inspect", "nope"]).exit_code == 1
+
+
+@pytest.mark.parametrize(
+    ("command", "code", "says"),
+    [
+        ("no-shell", 127, "command not found"),
+        ("no-permission", 126, "cannot be invoked"),
+        ("bad-cwd", 126, "cannot be invoked"),
+    ],
+)
+def test_exec_command_that_cannot_start(
+    cli: CliRunner, fake: FakeAenv, command: str, code: int, says: str
+) -> None:
+    fake.add("sbx-a")
+    for tty in ([], ["-t"]):
+        res = cli.invoke(app, ["exec", *tty, "sbx-a", "--", command])
+        assert res.exit_code == code, (tty, res.output)
+        assert says in _one_error_line(res.stderr)
+
+
+@pytest.mark.parametrize("code", [0, 1, 2, 42, 125, 126, 127])
+def test_exec_passes_the_commands_exit_code_through(
+    cli: CliRunner, fake: FakeAenv, code: int
+) -> None:
+    """Whatever the command exits with is aenv's exit code, bash's own 126/127 included."""
+    fake.add("sbx-a")
+    res = cli.invoke(app, ["exec", "sbx-a", f"exit {code}"])
+    assert res.exit_code == code and res.stderr == ""
+
+
+def test_exec_tty_runs_the_command_on_a_pty(cli: CliRunner, fake: FakeAenv) -> None:
+    fake.add("sbx-a")
+    res = cli.invoke(app, ["exec", "-t", "sbx-a", "tty-hello"])
+    assert res.exit_code == 5, res.output
+    assert res.stdout.strip() == "hello"
+    body = _start_body(fake)
+    assert body["process"]["args"] == ["-l", "-c", "tty-hello"] and "pty" in body
+    assert not any(r[1] == "/process.Process/SendInput" for r in fake.requests)  # no -i
+
+
+def test_exec_it_is_interactive_on_a_pty(cli: CliRunner, fake: FakeAenv) -> None:
+    """`-it` as docker: stdin typed into the PTY (the fake echoes it, exits at ^D)."""
+    fake.add("sbx-a")
+    res = cli.invoke(app, ["exec", "-it", "sbx-a", "bash"], input="echo hi\n")
+    assert res.exit_code == 0, res.output
+    assert "echo hi" in res.stdout
+    body = _start_body(fake)
+    assert body["process"]["args"] == ["-l", "-c", "bash"] and "pty" in body
+    res = cli.invoke(app, ["exec", "sbx-a", "-ti", "--", "bash"], input="again\n")
+    assert res.exit_code == 0 and "again" in res.stdout
+
+
+def test_exec_old_dash_t_seconds_is_still_a_timeout(cli: CliRunner, fake: FakeAenv) -> None:
+    fake.add("sbx-a")
+    for args in (["exec", "sbx-a", "-t", "1", "--", "slow"], ["exec", "-t", "1", "sbx-a", "slow"]):
+        res = cli.invoke(app, args)
+        assert res.exit_code == 124, args
+        assert "now `--timeout 1`" in res.stderr and "timed out after 1s" in res.stderr
 
 
 def test_run_command_writes_output_before_the_stream_ends(fake: FakeAenv) -> None:

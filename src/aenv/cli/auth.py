@@ -14,15 +14,17 @@ from rich.text import Text
 from .. import __version__
 from .client import ControlPlane
 from .credentials import (
+    DEFAULT_CONTEXT,
     Credentials,
+    check_context_name,
     credentials_path,
+    load_contexts,
     normalize_url,
-    remove_credentials,
-    save_credentials,
+    save_contexts,
 )
 from .errors import CliError
 from .options import OutputFormat, note
-from .output import format_mb, print_json, print_table
+from .output import format_mb, print_document
 from .state import CliState, state_of
 
 
@@ -83,33 +85,41 @@ def auth(
         typer.Option("--api-key", help="API key (prompted for, hidden, when missing)."),
     ] = None,
     logout: Annotated[
-        bool, typer.Option("--logout", help="Remove the stored credentials.")
+        bool, typer.Option("--logout", help="Remove the context's stored URL and key.")
     ] = False,
 ) -> None:
-    """Log in to a server: check a URL and API key against it, then store them.
+    """Log in to a server: check a URL and API key against it, then save them as a context.
 
-    The credentials go to $XDG_CONFIG_HOME/aenv/credentials (default
-    ~/.config/aenv/credentials, mode 0600). --url/--api-key and AENV_URL/AENV_API_KEY still
-    override them; without either, commands use the local node's address and key. Nothing
-    is stored when the server is unreachable or refuses the key.
+    They go to the current context ("default" when there is none), or to the one
+    --context NAME (or AENV_CONTEXT) names; a new context becomes current only when none
+    is (`aenv context use NAME` switches). The file is $XDG_CONFIG_HOME/aenv/credentials
+    (default ~/.config/aenv/credentials, mode 0600). Flags and AENV_*/E2B_* variables still
+    override it. Nothing is stored when the server is unreachable or refuses the key.
 
     Examples:
 
     ```
     aenv auth                                     # prompts for both
     aenv auth --url https://aenv.example.com --api-key e2b_...
+    aenv auth --context staging --url https://aenv.staging.example.com
     printf '%s\\n%s\\n' "$URL" "$KEY" | aenv auth    # from a script
-    aenv auth --logout
+    aenv auth --logout                            # forget the current context
     ```
     """
     path = credentials_path()
-    if logout:
-        if remove_credentials(path):
-            print(f"removed {path}")
-        else:
-            note(f"no stored credentials ({path} does not exist)")
-        return
     state = state_of(ctx)
+    stored = load_contexts(path)
+    name = state.context_name()[0] or DEFAULT_CONTEXT
+    if logout:
+        if name in stored.contexts:
+            del stored.contexts[name]
+            if stored.current == name:
+                stored.current = None
+            save_contexts(path, stored)
+            print(f"removed context {name} from {path}")
+        else:
+            note(f"no stored credentials for context {name!r} ({path})")
+        return
     # The root's --url/--api-key (or AENV_URL/AENV_API_KEY) are the prompts' defaults.
     if url is None:
         url = state.url_option or _ask("Server URL", _default_url(state), secret=False)
@@ -120,8 +130,14 @@ def auth(
     if not api_key:
         raise CliError("no API key given; nothing stored")
     check_credentials(state, url, api_key)
-    save_credentials(path, Credentials(url, api_key))
-    print(f"authenticated to {url}; credentials saved to {path}")
+    check_context_name(name)
+    stored.contexts[name] = Credentials(url, api_key)
+    if stored.current is None:
+        stored.current = name
+    save_contexts(path, stored)
+    print(f"authenticated to {url}; saved as context {name} in {path}")
+    if stored.current != name:
+        note(f"the current context is still {stored.current}; `aenv context use {name}`")
 
 
 def _default_url(state: CliState) -> str | None:
@@ -259,11 +275,8 @@ def status(
     """
     state = state_of(ctx)
     info, error = _gather(state)
-    if output is OutputFormat.json:
-        if error is not None:
-            info["error"] = error.message
-        print_json(info)
-    else:
-        print_table(_status_table(info))
+    if error is not None and output in (OutputFormat.json, OutputFormat.yaml):
+        info["error"] = error.message
+    print_document(info, output, _status_table)
     if error is not None:
         raise error

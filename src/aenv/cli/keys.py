@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from ..domain import Quota
 from ..keys import ApiKey, KeyStore
 from .errors import CliError
-from .options import OutputFormat, OutputOpt, note
-from .output import local_time, print_listing
+from .options import ListOutputOpt, QuietOpt, note
+from .output import Column, Listing, local_time, print_listing, resolve_format
 from .state import state_of
 
 NameArg = Annotated[str, typer.Argument(metavar="NAME", help="The key's name.")]
@@ -120,28 +119,35 @@ def _limits(item: dict[str, object]) -> str:
     )
 
 
-def keys_ls(ctx: typer.Context, output: OutputOpt = OutputFormat.table) -> None:
+def keys_ls(ctx: typer.Context, output: ListOutputOpt = None, quiet: QuietOpt = False) -> None:
     """List the API keys (name, the key's first characters, creation time, quota).
 
     Example:
 
     ```
     sudo aenv keys ls
-    sudo aenv keys ls -o json
+    sudo aenv keys ls -o yaml
+    sudo aenv keys ls -q          # names only
     ```
     """
     store = _store(ctx)
     with _on_disk(store):
         entries = sorted(store.listed(), key=lambda k: k.created)
     items = [k.listing() for k in entries]
-    print_listing(items, as_json=output is OutputFormat.json, empty="no API keys", table=_table)
+    print_listing(items, KEYS, resolve_format(output), quiet)
 
 
-def _table(items: list[dict[str, Any]]) -> Table:
-    table = Table("NAME", "KEY", "CREATED", "LIMITS")
-    for k in items:
-        table.add_row(k["name"], k["prefix"] + "…", local_time(k["created"]), _limits(k))
-    return table
+KEYS = Listing(
+    columns=(
+        Column("NAME", lambda k: k.get("name")),
+        Column("KEY", lambda k: f"{k.get('prefix')}…"),
+        Column("CREATED", lambda k: local_time(k.get("created"))),
+        Column("LIMITS", lambda k: _limits(dict(k))),
+    ),
+    id_of=lambda k: k.get("name"),
+    empty="no API keys",
+    boxed=True,
+)
 
 
 def keys_rm(

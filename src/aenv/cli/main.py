@@ -20,17 +20,40 @@ from typer.core import TyperGroup
 from .. import __version__
 from ..config import Settings
 from ..errors import AenvError
-from . import auth, copy, keys, nodes, observe, sandboxes, snapshots, tags, templates, volumes
+from . import (
+    auth,
+    contexts,
+    copy,
+    execute,
+    keys,
+    nodes,
+    observe,
+    sandboxes,
+    snapshots,
+    tags,
+    templates,
+    volumes,
+)
 from .bench import bench
-from .errors import CliError, one_line
+from .errors import EXIT_AENV, EXIT_FAILURE, CliError, one_line
+from .global_flags import spread_global_flags
 from .state import CliState, state_of
+
+# The commands whose exit code is a sandboxed command's: their own failures exit 125
+# (usage mistakes included), never a code the command could have returned (errors.py).
+PASSES_EXIT_CODE = frozenset({"exec", "start", "connect"})
 
 
 class AenvGroup(TyperGroup):
     """Turns every failure into one `aenv: <message>` line on stderr and a non-zero exit
     code: expected ones (CliError, AenvError), usage errors (exit code 2), local I/O errors
-    and, as a last resort, unexpected exceptions. `--debug` (or AENV_DEBUG=1) adds the
-    traceback."""
+    and, as a last resort, unexpected exceptions; 125 for all of them in the commands of
+    PASSES_EXIT_CODE. `--debug` (or AENV_DEBUG=1) adds the traceback."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # typer builds the subcommands first: they are all here to take the root's flags.
+        spread_global_flags(self)
 
     def make_context(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -41,26 +64,36 @@ class AenvGroup(TyperGroup):
     def invoke(self, ctx: Any) -> Any:  # typer's (vendored) click.Context
         try:
             return super().invoke(ctx)
+        except BaseException:
+            # Which command failed: the group sets it before parsing the command's options,
+            # so a usage error of `exec` knows it too.
+            passes = ctx.invoked_subcommand in PASSES_EXIT_CODE
+            self._fail_with(ctx, EXIT_AENV if passes else EXIT_FAILURE, passes)
+
+    def _fail_with(self, ctx: Any, failed: int, passes: bool) -> NoReturn:
+        """The exception being handled as one line and its exit code."""
+        try:
+            raise
         except CliError as exc:
-            _fail(exc.message, exc.exit_code, ctx)
+            _fail(exc.message, exc.exit_code_in(passes), ctx)
         except AenvError as exc:  # from in-process work: `server`, `template build-base`
-            _fail(exc.message, 1, ctx)
+            _fail(exc.message, failed, ctx)
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
         except _click.exceptions.UsageError as exc:
-            _usage_fail(exc)
+            _usage_fail(exc, EXIT_AENV if passes else None)
         except (_click.exceptions.ClickException, typer.Exit, typer.Abort):
             raise
         except OSError as exc:
             if exc.errno == errno.EPIPE:
                 raise  # typer's main exits quietly on a closed pipe (`aenv ls | head`)
             where = f"{exc.filename}: " if exc.filename else ""
-            _fail(f"{where}{exc.strerror or exc}", 1, ctx)
+            _fail(f"{where}{exc.strerror or exc}", failed, ctx)
         except Exception as exc:  # a bug: still one line, the traceback with --debug
             _fail(
                 f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the "
                 "traceback)",
-                1,
+                failed,
                 ctx,
             )
 
@@ -72,7 +105,7 @@ def _debug(ctx: Any) -> bool:
     return os.environ.get("AENV_DEBUG", "").lower() in ("1", "true", "yes")
 
 
-def _fail(message: str, code: int = 1, ctx: Any = None) -> NoReturn:
+def _fail(message: str, code: int = EXIT_FAILURE, ctx: Any = None) -> NoReturn:
     if _debug(ctx):
         traceback.print_exc()
     sys.stderr.write(f"aenv: {one_line(message)}\n")
@@ -80,14 +113,15 @@ def _fail(message: str, code: int = 1, ctx: Any = None) -> NoReturn:
     raise typer.Exit(code)
 
 
-def _usage_fail(exc: Any) -> NoReturn:
-    """A usage error as one line naming the command's --help (exit code 2, as click's)."""
+def _usage_fail(exc: Any, code: int | None = None) -> NoReturn:
+    """A usage error as one line naming the command's --help (exit code 2, as click's;
+    `code` when given)."""
     if isinstance(exc, _click.exceptions.NoArgsIsHelpError):
         raise exc  # `aenv template` alone: the help, as asked for
     path = exc.ctx.command_path if exc.ctx is not None else "aenv"
     sys.stderr.write(f"aenv: {one_line(exc.format_message())} (see `{path} --help`)\n")
     sys.stderr.flush()
-    raise typer.Exit(exc.exit_code)
+    raise typer.Exit(exc.exit_code if code is None else code)
 
 
 app = typer.Typer(
@@ -110,6 +144,11 @@ node_app = typer.Typer(help="Nodes of a cluster (through a gateway).", no_args_i
 tags_app = typer.Typer(
     help="A template's tags: names of its builds (E2B's template tags).", no_args_is_help=True
 )
+context_app = typer.Typer(
+    help="Contexts: saved servers and their keys; one is current (`--context` picks "
+    "another for one call).",
+    no_args_is_help=True,
+)
 keys_app = typer.Typer(
     help="API keys of this node (run on the node host; no server needed).", no_args_is_help=True
 )
@@ -128,10 +167,10 @@ def main(
         str | None,
         typer.Option(
             "--url",
-            envvar="AENV_URL",
             help=(
-                "Server URL (default: http://$AENV_LISTEN, i.e. http://127.0.0.1:8000; https "
-                "when AENV_TLS_CERT is set; AENV_TLS_VERIFY=false|CA-FILE for its certificate)."
+                "Server URL (else AENV_URL, E2B_API_URL, https://api.$E2B_DOMAIN, the "
+                "context, then http://$AENV_LISTEN; https when AENV_TLS_CERT is set; "
+                "AENV_TLS_VERIFY=false|CA-FILE for its certificate). Anywhere on the line."
             ),
         ),
     ] = None,
@@ -139,9 +178,19 @@ def main(
         str | None,
         typer.Option(
             "--api-key",
-            envvar="AENV_API_KEY",
             show_default=False,
-            help="API key (default: read from $AENV_HOME/secrets/api-key).",
+            help="API key (else AENV_API_KEY, E2B_API_KEY, the context's, then "
+            "$AENV_HOME/secrets/api-key). Anywhere on the line.",
+        ),
+    ] = None,
+    context: Annotated[
+        str | None,
+        typer.Option(
+            "--context",
+            metavar="NAME",
+            show_default=False,
+            help="Use this saved context (server and key) for this call (else "
+            "AENV_CONTEXT, else the current one: `aenv context`).",
         ),
     ] = None,
     version: Annotated[
@@ -171,7 +220,7 @@ def main(
     Every command has examples in its --help. Errors are one `aenv: ...` line on stderr
     with a non-zero exit code (--debug adds the traceback).
     """
-    ctx.obj = CliState(url_option=url, api_key_option=api_key, debug=debug)
+    ctx.obj = CliState(url_option=url, api_key_option=api_key, debug=debug, context_option=context)
 
 
 ListenOption = Annotated[
@@ -225,7 +274,7 @@ app.command("auth", rich_help_panel=SETUP)(auth.auth)
 app.command("status", rich_help_panel=SETUP)(auth.status)
 app.command("start", rich_help_panel=SANDBOXES)(sandboxes.start)
 app.command("connect", rich_help_panel=SANDBOXES)(sandboxes.connect_)
-app.command("exec", rich_help_panel=SANDBOXES)(sandboxes.exec_)
+app.command("exec", rich_help_panel=SANDBOXES)(execute.exec_)
 app.command("ls", rich_help_panel=SANDBOXES)(sandboxes.ls)
 app.command("inspect", rich_help_panel=SANDBOXES)(sandboxes.inspect)
 app.command("info", hidden=True)(sandboxes.inspect)  # the old name of `inspect`
@@ -270,6 +319,13 @@ app.add_typer(node_app, name="node", rich_help_panel=SETUP)
 node_app.command("ls")(nodes.node_ls)
 node_app.command("drain")(nodes.node_drain)
 node_app.command("undrain")(nodes.node_undrain)
+
+app.add_typer(context_app, name="context", rich_help_panel=SETUP)
+context_app.command("ls")(contexts.context_ls)
+context_app.command("use")(contexts.context_use)
+context_app.command("add")(contexts.context_add)
+context_app.command("rm")(contexts.context_rm)
+context_app.command("show")(contexts.context_show)
 
 app.add_typer(keys_app, name="keys", rich_help_panel=SETUP)
 keys_app.command("create")(keys.keys_create)

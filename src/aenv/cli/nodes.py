@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from .client import url_segment
-from .output import print_json, print_listing
+from .options import JsonFlagOpt, ListOutputOpt, QuietOpt, WatchOpt
+from .output import Column, Listing, print_json, resolve_format
 from .state import state_of
+from .watch import show_listing
 
 NodeArg = Annotated[str, typer.Argument(metavar="NODE", help="Node ID.")]
 # A drain hibernates and uploads every sandbox of the node.
@@ -19,34 +21,45 @@ DRAIN_TIMEOUT = 3600.0
 
 def node_ls(
     ctx: typer.Context,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    output: ListOutputOpt = None,
+    quiet: QuietOpt = False,
+    watch: WatchOpt = False,
+    json_out: JsonFlagOpt = False,
 ) -> None:
-    """List the nodes and their status, sandboxes and free memory.
+    """List the nodes and their status, sandboxes and free memory (`-w`: follow a drain).
 
     Examples:
 
     ```
     aenv node ls
-    aenv --url http://gateway:8080 node ls --json
+    aenv node ls --url http://gateway:8080 -o wide
+    aenv node ls -w
     ```
     """
+    fmt = resolve_format(output, json_flag=json_out)
     with state_of(ctx).control() as cp:
-        items = cp.request("GET", "/nodes").json()
-    print_listing(items, as_json=json_out, empty="no nodes", table=_node_table)
+        show_listing(lambda: cp.request("GET", "/nodes").json(), NODES, fmt, quiet, watch)
 
 
-def _node_table(items: list[dict[str, Any]]) -> Table:
-    table = Table("NODE", "STATUS", "SANDBOXES", "FREE MEMORY", "URL")
-    for n in items:
-        free = n.get("freeMemoryMB")
-        table.add_row(
-            str(n.get("nodeID")),
-            str(n.get("status")),
-            str(n.get("sandboxCount", "")),
-            "" if free is None else f"{free} MiB",
-            str(n.get("url", "")),
-        )
-    return table
+def _free(n: Mapping[str, Any]) -> str:
+    free = n.get("freeMemoryMB")
+    return "" if free is None else f"{free} MiB"
+
+
+NODES = Listing(
+    columns=(
+        Column("NODE", lambda n: n.get("nodeID"), key=True),
+        Column("STATUS", lambda n: n.get("status")),
+        Column("SANDBOXES", lambda n: n.get("sandboxCount", ""), justify="right"),
+        Column("FREE MEMORY", _free, justify="right"),
+        Column("CPU", lambda n: n.get("cpuCount"), wide=True, justify="right"),
+        Column("VERSION", lambda n: n.get("version"), wide=True),
+        Column("URL", lambda n: n.get("url", "")),
+    ),
+    id_of=lambda n: n.get("nodeID"),
+    empty="no nodes",
+    boxed=True,
+)
 
 
 def node_drain(

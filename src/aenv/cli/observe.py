@@ -3,6 +3,7 @@ memory per sandbox)."""
 
 from __future__ import annotations
 
+import enum
 import json
 import sys
 import time
@@ -19,10 +20,10 @@ from .errors import CliError
 from .options import OutputFormat, note, pairs, stdout_is_tty
 from .output import (
     console,
+    dump,
     format_metadata,
     id_width,
     parse_time,
-    print_json,
     print_table,
     relative_time,
 )
@@ -31,6 +32,13 @@ from .output import (
 
 LEVEL_STYLES = {"debug": "dim", "info": "", "warn": "yellow", "error": "bold red"}
 PAGE = 1000  # the server's bound on one answer
+
+
+class LinesFormat(enum.StrEnum):
+    """`logs -o`: a log is a stream of lines, not a document (no wide, no yaml)."""
+
+    table = "table"
+    json = "json"
 
 
 def _ms(entry: Mapping[str, Any]) -> int:
@@ -121,8 +129,8 @@ def logs(
         str | None, typer.Option("--search", help="Only entries whose message has this.")
     ] = None,
     output: Annotated[
-        OutputFormat, typer.Option("--output", "-o", help="table: lines; json: JSON lines.")
-    ] = OutputFormat.table,
+        LinesFormat, typer.Option("--output", "-o", help="table: lines; json: JSON lines.")
+    ] = LinesFormat.table,
     interval: Annotated[
         float, typer.Option("--interval", min=0.2, help="Seconds between polls with -f.")
     ] = 1.0,
@@ -148,7 +156,7 @@ def logs(
     if search:
         params["search"] = search
     out = console()
-    as_json = output is OutputFormat.json
+    as_json = output is LinesFormat.json
 
     def show(entries: Sequence[dict[str, Any]]) -> None:
         for e in entries:
@@ -283,7 +291,8 @@ def top(
         typer.Option("--metadata", "-m", metavar="KEY=VALUE", help="Filter by metadata."),
     ] = None,
     output: Annotated[
-        OutputFormat, typer.Option("--output", "-o", help="json: one JSON frame, then exit.")
+        OutputFormat,
+        typer.Option("--output", "-o", help="json or yaml: one frame, then exit."),
     ] = OutputFormat.table,
 ) -> None:
     """Live CPU, memory and disk of the running sandboxes, refreshed every 2 s (Ctrl-C
@@ -307,8 +316,8 @@ def top(
     meta = pairs(metadata, "--metadata")
     state = state_of(ctx)
     with state.control() as cp:
-        if output is OutputFormat.json:
-            print_json(snapshot_usage(cp, meta))
+        if output in (OutputFormat.json, OutputFormat.yaml):
+            sys.stdout.write(dump(snapshot_usage(cp, meta), output))
             return
 
         def frame() -> Group:

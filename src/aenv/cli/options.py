@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import enum
 import sys
 from typing import Annotated
 
 import typer
 
 from .errors import CliError
+from .output import OutputFormat
 
-
-class OutputFormat(enum.StrEnum):
-    table = "table"
-    json = "json"
-
+__all__ = ["OutputFormat"]  # defined with the renderers (output.py); re-exported here
 
 UserOpt = Annotated[
     str | None, typer.Option("--user", "-u", help="Run as this user (default: the sandbox's).")
@@ -24,14 +20,40 @@ EnvOpt = Annotated[
     list[str] | None,
     typer.Option("--env", "-e", metavar="KEY=VALUE", help="Environment variable (repeatable)."),
 ]
-OutputOpt = Annotated[OutputFormat, typer.Option("--output", "-o", help="Output format.")]
+OutputOpt = Annotated[
+    OutputFormat, typer.Option("--output", "-o", help="Output format: table, wide, json or yaml.")
+]
+# The listings' options: every `ls` takes the same four (`-o`, `-q`, the hidden `--json` of
+# the commands that had it, and `-w` where what is listed changes state).
+ListOutputOpt = Annotated[
+    OutputFormat | None,
+    typer.Option(
+        "--output",
+        "-o",
+        help="table, wide (more columns), json or yaml.",
+        show_default=False,
+    ),
+]
 AutoOutputOpt = Annotated[
     OutputFormat | None,
     typer.Option(
         "--output",
         "-o",
-        help="Output format (default: table on a terminal, json when piped).",
+        help="table, wide (more columns), json or yaml (default: table on a terminal, json "
+        "when piped).",
         show_default=False,
+    ),
+]
+QuietOpt = Annotated[
+    bool, typer.Option("--quiet", "-q", help="Only the IDs, one per line (for xargs).")
+]
+JsonFlagOpt = Annotated[
+    bool, typer.Option("--json", hidden=True, help="Deprecated: the same as -o json.")
+]
+WatchOpt = Annotated[
+    bool,
+    typer.Option(
+        "--watch", "-w", help="Redraw whenever it changes (polls every 2 s) until Ctrl-C."
     ),
 ]
 
@@ -43,11 +65,18 @@ def stdout_is_tty() -> bool:
         return False
 
 
+def stdin_is_tty() -> bool:
+    try:
+        return sys.stdin.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def wants_json(output: OutputFormat | None) -> bool:
     """JSON when asked for, or by default when stdout is not a terminal (a pipe, a file)."""
     if output is None:
         return not stdout_is_tty()
-    return output is OutputFormat.json
+    return output in (OutputFormat.json, OutputFormat.yaml)
 
 
 def pairs(values: list[str] | None, option: str) -> dict[str, str]:

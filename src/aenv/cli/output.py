@@ -1,19 +1,34 @@
-"""Rendering for the CLI: rich tables for people, JSON for scripts."""
+"""Rendering for the CLI, in one place: rich tables for people, JSON and YAML for scripts,
+bare IDs for pipes (`-q`), for every listing and every one-object view (`inspect`,
+`status`). A listing is described once (`Listing`: its columns, which are `-o wide` only,
+and what its ID is); the formats are never re-implemented per command."""
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 _FRACTION = re.compile(r"(\.\d{6})\d+")
+
+
+class OutputFormat(enum.StrEnum):
+    """`-o`: `wide` is the table with more columns (kubectl's), json and yaml the data as
+    the server gave it."""
+
+    table = "table"
+    wide = "wide"
+    json = "json"
+    yaml = "yaml"
 
 
 def console(stderr: bool = False) -> Console:
@@ -23,16 +38,24 @@ def console(stderr: bool = False) -> Console:
     return Console(file=stream, width=None if isatty else 250, soft_wrap=False)
 
 
+def table_text(table: Table) -> str:
+    """A table as text: styled on a terminal, else plain without trailing blanks."""
+    con = console()
+    with con.capture() as cap:
+        con.print(table)
+    text = cap.get()
+    if con.is_terminal:
+        return text
+    return "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
+
+
 def print_table(table: Table) -> None:
     """A table on stdout; without a terminal, plain text without trailing blanks."""
     con = console()
     if con.is_terminal:
         con.print(table)
         return
-    with con.capture() as cap:
-        con.print(table)
-    text = "\n".join(line.rstrip() for line in cap.get().splitlines())
-    sys.stdout.write(text + "\n")
+    sys.stdout.write(table_text(table))
     sys.stdout.flush()
 
 
@@ -41,17 +64,122 @@ def print_json(data: Any) -> None:
     sys.stdout.flush()
 
 
+def dump(data: Any, fmt: OutputFormat) -> str:
+    """`data` as a JSON or YAML document (keys in the server's order)."""
+    if fmt is OutputFormat.yaml:
+        import yaml
+
+        return str(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+    return json.dumps(data, indent=2, sort_keys=False) + "\n"
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a listing: its header, its cell from an item, and whether only `-o
+    wide` shows it. `key`: an ID column never shrinks below its widest value (a cut ID is
+    no use)."""
+
+    header: str
+    cell: Callable[[Mapping[str, Any]], Any]
+    wide: bool = False
+    justify: Literal["left", "right"] = "left"
+    fold: bool = False  # long text folds onto more lines instead of being cut
+    style: Callable[[Mapping[str, Any]], str] | None = None
+    key: bool = False
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What a listing command shows: its columns, what `-q` prints (the ID), and the dim
+    line on stderr when there is nothing."""
+
+    columns: tuple[Column, ...]
+    id_of: Callable[[Mapping[str, Any]], Any]
+    empty: str
+    boxed: bool = False  # the few tables that had borders keep them
+
+    def table(self, items: Sequence[Mapping[str, Any]], *, wide: bool = False) -> Table:
+        table = (
+            Table(header_style="bold")
+            if self.boxed
+            else Table(box=None, header_style="bold", pad_edge=False)
+        )
+        columns = [c for c in self.columns if wide or not c.wide]
+        for c in columns:
+            width = max((len(_plain(c.cell(i))) for i in items), default=2) if c.key else None
+            table.add_column(
+                c.header,
+                justify=c.justify,
+                no_wrap=not c.fold,
+                overflow="fold" if c.fold else "ellipsis",
+                min_width=width,
+            )
+        for item in items:
+            table.add_row(*(_cell(c.cell(item), c.style(item) if c.style else "") for c in columns))
+        return table
+
+
+def _plain(value: Any) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+def resolve_format(
+    output: OutputFormat | None, *, json_flag: bool = False, piped: OutputFormat | None = None
+) -> OutputFormat:
+    """The format asked for: `-o`, else the deprecated `--json`, else a table, or `piped`
+    when stdout is not a terminal (the few listings that always did so: `ls`, `tags ls`)."""
+    if output is not None:
+        return output
+    if json_flag:
+        return OutputFormat.json
+    if piped is not None and not _stdout_is_tty():
+        return piped
+    return OutputFormat.table
+
+
+def _stdout_is_tty() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def render_listing(
+    items: Sequence[Mapping[str, Any]], listing: Listing, fmt: OutputFormat, quiet: bool = False
+) -> str:
+    """A listing as the text stdout gets (`""` for an empty table: the note goes to
+    stderr instead)."""
+    if quiet:
+        return "".join(f"{listing.id_of(i)}\n" for i in items)
+    if fmt in (OutputFormat.json, OutputFormat.yaml):
+        return dump(list(items), fmt)
+    if not items:
+        return ""
+    return table_text(listing.table(items, wide=fmt is OutputFormat.wide))
+
+
 def print_listing(
-    items: Sequence[Any], *, as_json: bool, empty: str, table: Callable[[Any], Table]
+    items: Sequence[Mapping[str, Any]],
+    listing: Listing,
+    fmt: OutputFormat,
+    quiet: bool = False,
 ) -> None:
-    """A list command's output: JSON for scripts, else a table, or one dim line on stderr
-    when there is nothing to show."""
-    if as_json:
-        print_json(items)
-    elif not items:
-        console(stderr=True).print(empty, style="dim")
+    """A list command's output: IDs (`-q`), JSON or YAML for scripts, else a table, or one
+    dim line on stderr when a table would be empty."""
+    if not items and not quiet and fmt in (OutputFormat.table, OutputFormat.wide):
+        console(stderr=True).print(listing.empty, style="dim")
+        return
+    sys.stdout.write(render_listing(items, listing, fmt, quiet))
+    sys.stdout.flush()
+
+
+def print_document(data: Any, fmt: OutputFormat, table: Callable[[Any], Table]) -> None:
+    """One object (`inspect`, `status`): a two-column table, or JSON or YAML."""
+    if fmt in (OutputFormat.json, OutputFormat.yaml):
+        sys.stdout.write(dump(data, fmt))
+        sys.stdout.flush()
     else:
-        print_table(table(items))
+        print_table(table(data))
 
 
 def parse_time(value: Any) -> datetime | None:
@@ -117,30 +245,34 @@ def id_width(rows: Sequence[Mapping[str, Any]], key: str = "sandboxID") -> int:
     return max((len(str(r.get(key) or "")) for r in rows), default=2)
 
 
+def _state_style(sb: Mapping[str, Any]) -> str:
+    return {"running": "green", "paused": "yellow"}.get(str(sb.get("state")), "")
+
+
+SANDBOXES = Listing(
+    columns=(
+        Column("ID", lambda sb: sb.get("sandboxID"), key=True),
+        Column("TEMPLATE", lambda sb: sb.get("alias") or sb.get("templateID")),
+        Column("TEMPLATE ID", lambda sb: sb.get("templateID"), wide=True),
+        Column("STATE", lambda sb: sb.get("state", "-"), style=_state_style),
+        Column("STARTED", lambda sb: local_time(sb.get("startedAt"))),
+        Column(
+            "ENDS",
+            lambda sb: "-" if sb.get("state") == "paused" else relative_time(sb.get("endAt")),
+        ),
+        Column("CPU", lambda sb: sb.get("cpuCount"), justify="right"),
+        Column("MEMORY", lambda sb: format_mb(sb.get("memoryMB")), justify="right"),
+        Column("DISK", lambda sb: format_mb(sb.get("diskSizeMB")), wide=True, justify="right"),
+        Column("ENVD", lambda sb: sb.get("envdVersion"), wide=True),
+        Column("METADATA", lambda sb: format_metadata(sb.get("metadata")), fold=True),
+    ),
+    id_of=lambda sb: sb.get("sandboxID"),
+    empty="no sandboxes",
+)
+
+
 def sandbox_table(sandboxes: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(box=None, header_style="bold", pad_edge=False)
-    table.add_column("ID", no_wrap=True, min_width=id_width(sandboxes))
-    table.add_column("TEMPLATE", no_wrap=True)
-    table.add_column("STATE", no_wrap=True, min_width=7)
-    table.add_column("STARTED", no_wrap=True)
-    table.add_column("ENDS", no_wrap=True)
-    table.add_column("CPU", justify="right", no_wrap=True)
-    table.add_column("MEMORY", justify="right", no_wrap=True)
-    table.add_column("METADATA", overflow="fold")
-    for sb in sandboxes:
-        state = str(sb.get("state", "-"))
-        style = {"running": "green", "paused": "yellow"}.get(state, "")
-        table.add_row(
-            _cell(sb.get("sandboxID")),
-            _cell(sb.get("alias") or sb.get("templateID")),
-            _cell(state, style),
-            _cell(local_time(sb.get("startedAt"))),
-            _cell("-" if state == "paused" else relative_time(sb.get("endAt"))),
-            _cell(sb.get("cpuCount")),
-            _cell(format_mb(sb.get("memoryMB"))),
-            _cell(format_metadata(sb.get("metadata"))),
-        )
-    return table
+    return SANDBOXES.table(sandboxes)
 
 
 # Fields of `GET /sandboxes/{id}` shown by `aenv info`, in order (others follow).
@@ -182,24 +314,29 @@ def info_table(info: Mapping[str, Any]) -> Table:
     return table
 
 
+def _names(t: Mapping[str, Any]) -> str:
+    names = t.get("names") or t.get("aliases") or []
+    return ", ".join(str(n) for n in names) if isinstance(names, list) else str(names)
+
+
+TEMPLATES = Listing(
+    columns=(
+        Column("ID", lambda t: t.get("templateID"), key=True),
+        Column("NAMES", _names, fold=True),
+        Column("STATUS", lambda t: t.get("buildStatus")),
+        Column("BUILD", lambda t: t.get("buildID"), wide=True),
+        Column("CPU", lambda t: t.get("cpuCount"), justify="right"),
+        Column("MEMORY", lambda t: format_mb(t.get("memoryMB")), justify="right"),
+        Column("DISK", lambda t: format_mb(t.get("diskSizeMB")), justify="right"),
+        Column("CREATED", lambda t: local_time(t.get("createdAt"))),
+        Column("UPDATED", lambda t: local_time(t.get("updatedAt")), wide=True),
+        Column("SPAWNS", lambda t: t.get("spawnCount"), wide=True, justify="right"),
+        Column("PUBLIC", lambda t: t.get("public"), wide=True),
+    ),
+    id_of=lambda t: t.get("templateID"),
+    empty="no templates",
+)
+
+
 def template_table(templates: Iterable[Mapping[str, Any]]) -> Table:
-    table = Table(box=None, header_style="bold", pad_edge=False)
-    table.add_column("ID", no_wrap=True)
-    table.add_column("NAMES", overflow="fold")
-    table.add_column("STATUS", no_wrap=True)
-    table.add_column("CPU", justify="right", no_wrap=True)
-    table.add_column("MEMORY", justify="right", no_wrap=True)
-    table.add_column("DISK", justify="right", no_wrap=True)
-    table.add_column("CREATED", no_wrap=True)
-    for t in templates:
-        names = t.get("names") or t.get("aliases") or []
-        table.add_row(
-            _cell(t.get("templateID")),
-            _cell(", ".join(str(n) for n in names) if isinstance(names, list) else names),
-            _cell(t.get("buildStatus")),
-            _cell(t.get("cpuCount")),
-            _cell(format_mb(t.get("memoryMB"))),
-            _cell(format_mb(t.get("diskSizeMB"))),
-            _cell(local_time(t.get("createdAt"))),
-        )
-    return table
+    return TEMPLATES.table(list(templates))

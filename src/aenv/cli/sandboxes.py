@@ -1,81 +1,32 @@
-"""The sandbox commands: `start`, `connect`, `exec`, `ls`, `rm`, `pause`, `resume`, `timeout`
-and `inspect` (`info`, its old name, is a hidden alias)."""
+"""The sandbox commands: `start`, `connect`, `ls`, `rm`, `pause`, `resume`, `timeout`
+and `inspect` (`info`, its old name, is a hidden alias); `exec` is in execute.py."""
 
 from __future__ import annotations
 
-import contextlib
-import shlex
-import sys
-import threading
-from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
 
 from ..domain import DEFAULT_TEMPLATE
 from .client import ControlPlane
-from .connect import ConnectError, run_with
+from .connect import run_with
 from .errors import CliError
+from .execute import keepalive_interval
 from .options import (
     AutoOutputOpt,
     CwdOpt,
     EnvOpt,
     OutputFormat,
     OutputOpt,
+    QuietOpt,
     UserOpt,
+    WatchOpt,
     note,
     pairs,
-    wants_json,
+    stdin_is_tty,
 )
 from .state import CliState, state_of
 from .volumes import mount_specs
-
-
-def _join_command(command: list[str]) -> str:
-    """One argument is a shell command line as is (`aenv exec ID 'ls | wc -l'`); several
-    are an argv, quoted for the shell (`aenv exec ID -- ls -la "my dir"`)."""
-    if len(command) == 1:
-        return command[0]
-    return shlex.join(command)
-
-
-def _stdin_is_tty() -> bool:
-    try:
-        return sys.stdin.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
-def _keepalive_interval(timeout: int) -> float:
-    return float(max(5, min(60, timeout // 3)))
-
-
-# What `exec` keeps its sandbox alive for, pushed forward every minute while it runs.
-EXEC_KEEPALIVE = 300
-
-
-@contextlib.contextmanager
-def keep_alive(state: CliState, sandbox_id: str, seconds: int = EXEC_KEEPALIVE) -> Iterator[None]:
-    """While the block runs, push the sandbox's end to at least `seconds` from now, at once
-    and then every `_keepalive_interval(seconds)` (connect only extends, never shortens;
-    failures are ignored: the command's own stream reports a sandbox that is gone)."""
-    stop = threading.Event()
-
-    def run() -> None:
-        with contextlib.suppress(CliError), state.control() as cp:
-            while True:
-                with contextlib.suppress(CliError):
-                    cp.connect(sandbox_id, seconds)
-                if stop.wait(_keepalive_interval(seconds)):
-                    return
-
-    thread = threading.Thread(target=run, name="aenv-keepalive", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(timeout=2.0)
 
 
 def start(
@@ -175,7 +126,7 @@ def start(
         token = sandbox.get("envdAccessToken")
         code = 1
         try:
-            if _stdin_is_tty():
+            if stdin_is_tty():
                 note(
                     f"sandbox {sandbox_id} ({label}); "
                     + ("it is kept" if keep else "it is removed")
@@ -225,7 +176,7 @@ def _shell(
     return run_with(
         state.envd(sandbox_id, token, user),
         lambda envd: attach_shell(
-            envd, cwd=cwd, keepalive=keepalive, keepalive_interval=_keepalive_interval(timeout)
+            envd, cwd=cwd, keepalive=keepalive, keepalive_interval=keepalive_interval(timeout)
         ),
     )
 
@@ -263,73 +214,6 @@ def connect_(
     raise typer.Exit(code)
 
 
-def exec_(
-    ctx: typer.Context,
-    sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="Sandbox ID.")],
-    command: Annotated[
-        list[str],
-        typer.Argument(
-            metavar="-- CMD...",
-            help="The command: one argument is a shell line; several are an argv.",
-        ),
-    ],
-    user: UserOpt = None,
-    cwd: CwdOpt = None,
-    env: EnvOpt = None,
-    stdin: Annotated[
-        bool | None,
-        typer.Option(
-            "--stdin/--no-stdin",
-            "-i/-I",
-            help="Forward local stdin to the command (default: when stdin is not a terminal).",
-            show_default=False,
-        ),
-    ] = None,
-    timeout: Annotated[
-        int | None,
-        typer.Option("--timeout", "-t", min=1, help="Kill the command after SECS seconds."),
-    ] = None,
-) -> None:
-    """Run a command in a sandbox, streaming its output; exits with its exit code.
-
-    Piped stdin is forwarded to the command (force with -i, turn off with -I). The sandbox
-    is kept alive while the command runs. One argument is a shell line; several are an argv.
-
-    Examples:
-
-    ```
-    aenv exec i1a2b3c4d5 -- ls -la /home/user
-    aenv exec i1a2b3c4d5 'ps aux | grep python'
-    echo 'print(6*7)' | aenv exec i1a2b3c4d5 -- python3 -
-    aenv exec i1a2b3c4d5 -u root -w /etc -e LANG=C -t 30 -- cat os-release
-    ```
-    """
-    from .session import run_command
-
-    state = state_of(ctx)
-    envs = pairs(env, "--env")
-    forward = (not _stdin_is_tty()) if stdin is None else stdin
-    envd = state.envd_of(sandbox_id, user)
-    with keep_alive(state, sandbox_id):
-        try:
-            code = run_with(
-                envd,
-                lambda envd: run_command(
-                    envd,
-                    _join_command(command),
-                    envs=envs,
-                    cwd=cwd,
-                    forward_stdin=forward,
-                    timeout_ms=timeout * 1000 if timeout else None,
-                ),
-            )
-        except ConnectError as exc:
-            if timeout and exc.code == "deadline_exceeded":
-                raise CliError(f"command timed out after {timeout}s", exit_code=124) from None
-            raise
-    raise typer.Exit(code)
-
-
 _STATES = ("running", "paused")
 
 
@@ -346,6 +230,8 @@ def ls(
         ),
     ] = None,
     output: AutoOutputOpt = None,
+    quiet: QuietOpt = False,
+    watch: WatchOpt = False,
 ) -> None:
     """List sandboxes: a table on a terminal, JSON when piped (or as -o says).
 
@@ -353,12 +239,14 @@ def ls(
 
     ```
     aenv ls
-    aenv ls -s paused
-    aenv ls -m team=ml -m env=dev -o table
-    aenv ls | jq -r '.[].sandboxID'
+    aenv ls -s paused -o wide
+    aenv ls -m team=ml -m env=dev -o yaml
+    aenv ls -q | xargs aenv rm          # IDs only
+    aenv ls -w                          # redraw on change until Ctrl-C
     ```
     """
-    from .output import print_listing, sandbox_table
+    from .output import SANDBOXES, resolve_format
+    from .watch import show_listing
 
     if state_filter:
         states = [s.strip() for s in state_filter.split(",") if s.strip()]
@@ -366,9 +254,16 @@ def ls(
         if bad or not states:
             raise CliError(f"--state takes running, paused or both, got {state_filter!r}")
         state_filter = ",".join(states)
+    meta = pairs(metadata, "--metadata")
+    fmt = resolve_format(output, piped=OutputFormat.json)
     with state_of(ctx).control() as cp:
-        sandboxes = cp.list_sandboxes(state=state_filter, metadata=pairs(metadata, "--metadata"))
-    print_listing(sandboxes, as_json=wants_json(output), empty="no sandboxes", table=sandbox_table)
+        show_listing(
+            lambda: cp.list_sandboxes(state=state_filter, metadata=meta),
+            SANDBOXES,
+            fmt,
+            quiet,
+            watch,
+        )
 
 
 def rm(
@@ -381,7 +276,7 @@ def rm(
 
     ```
     aenv rm i1a2b3c4d5
-    aenv ls -s paused | jq -r '.[].sandboxID' | xargs aenv rm
+    aenv ls -s paused -q | xargs aenv rm
     ```
     """
     failed = False
@@ -471,13 +366,11 @@ def inspect(
     ```
     aenv inspect i1a2b3c4d5
     aenv inspect i1a2b3c4d5 -o json | jq .endAt
+    aenv inspect i1a2b3c4d5 -o yaml
     ```
     """
-    from .output import info_table, print_json, print_table
+    from .output import info_table, print_document
 
     with state_of(ctx).control() as cp:
         data = cp.get_sandbox(sandbox_id)
-    if output is OutputFormat.json:
-        print_json(data)
-    else:
-        print_table(info_table(data))
+    print_document(data, output, info_table)

@@ -18,10 +18,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, BinaryIO, cast
 
-from ..envd_client import EnvdClient, EnvdError
+from ..envd_client import EnvdClient, EnvdError, EnvdUnreachable
 from ..envd_wire import (
     PROCESS_CLOSE_STDIN,
     PROCESS_SEND_INPUT,
@@ -32,8 +32,8 @@ from ..envd_wire import (
     b64encode,
     start_request,
 )
-from .connect import ConnectError
-from .errors import CliError
+from .connect import ConnectError, cli_error
+from .errors import CannotInvoke, CliError, CommandNotFound
 
 # Go's `syscall.Signal.String()` on Linux, as envd puts it in `status` ("signal: killed").
 _GO_SIGNAL_NAMES = {
@@ -91,6 +91,28 @@ def exit_code_of(end: ProcessEvent) -> int:
     if code < -1:  # a Popen-style -N for signal N
         return 128 + (-code)
     return 1
+
+
+# How envd words a program that is not there: aenv's envd ("[Errno 2] No such file or
+# directory") and E2B's Go envd ("fork/exec ...: no such file or directory", "executable
+# file not found in $PATH").
+_NOT_FOUND_RE = re.compile(r"no such file or directory|executable file not found", re.I)
+_REFUSALS = ("invalid_argument", "permission_denied", "failed_precondition", "internal")
+
+
+def invocation_error(exc: EnvdError) -> CliError:
+    """envd's answer to a Start that never started, as docker tells it: the program is not
+    there (127), or cannot be run, with this cwd or as this user (126). Anything else (an
+    unreachable server, a sandbox gone, a refused token) is aenv's own failure (125)."""
+    text = exc.message
+    refused = not isinstance(exc, EnvdUnreachable) and exc.code in _REFUSALS
+    if refused and re.search(r"start|spawn|exec", text, re.I) and _NOT_FOUND_RE.search(text):
+        return CommandNotFound(f"{text} (command not found)", status=exc.http_status)
+    if refused and (
+        exc.code == "permission_denied" or re.search(r"start|spawn|cwd|user", text, re.I)
+    ):
+        return CannotInvoke(f"{text} (command cannot be invoked)", status=exc.http_status)
+    return cli_error(exc)
 
 
 def _write(stream: BinaryIO, data: bytes) -> None:
@@ -216,6 +238,10 @@ async def run_command(
                     end = event
                 else:
                     _write(err if event.kind == "stderr" else out, event.data)
+    except EnvdError as exc:
+        if pid is None:  # envd refused to start it: 126/127 when that is why
+            raise invocation_error(exc) from None
+        raise
     except (KeyboardInterrupt, asyncio.CancelledError) as exc:
         # ^C (asyncio.run cancels this task for it): the kill still goes out, 130 is the answer.
         task = asyncio.current_task()
@@ -295,33 +321,41 @@ class _RawMode:
             self._saved = None
 
 
+INTERACTIVE_SHELL = ("-i", "-l")
+
+
 async def attach_shell(
     envd: EnvdClient,
     *,
+    args: Sequence[str] = INTERACTIVE_SHELL,
     envs: dict[str, str] | None = None,
     cwd: str | None = None,
     keepalive: Callable[[], None] | None = None,
     keepalive_interval: float = 60.0,
+    forward_stdin: bool = True,
+    timeout_ms: int | None = None,
 ) -> int:
-    """An interactive `bash -i -l` on a PTY in the sandbox, wired to the local terminal.
+    """`bash ARGS` (an interactive `bash -i -l` by default; `exec -t` gives `-l -c CMD`)
+    on a PTY in the sandbox, wired to the local terminal.
 
     The local TTY (if stdin is one) is put in raw mode; keystrokes go to SendInput, window
     size changes to Update, PTY output to stdout. When stdin is not a TTY its content is
-    sent as typed input followed by ^D. `keepalive` (a blocking call, run on a thread) is
-    called every `keepalive_interval` seconds while attached (to push the sandbox's timeout
-    forward). Returns the shell's exit code.
+    sent as typed input followed by ^D. Without `forward_stdin` (`exec -t` without `-i`)
+    nothing is typed and the terminal stays as it is. `keepalive` (a blocking call, run on
+    a thread) is called every `keepalive_interval` seconds while attached (to push the
+    sandbox's timeout forward). Returns the process's exit code.
     """
     cols, rows = terminal_size()
     term = os.environ.get("TERM") or "xterm-256color"
     request = start_request(
         "/bin/bash",
-        ["-i", "-l"],
+        list(args),
         envs={"TERM": term, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", **(envs or {})},
         cwd=cwd,
         pty_size=(cols, rows),
     )
 
-    fd = _stdin_fd()
+    fd = _stdin_fd() if forward_stdin else None
     interactive = fd is not None and os.isatty(fd)
     out = _binary(sys.stdout)
     loop = asyncio.get_running_loop()
@@ -330,11 +364,14 @@ async def attach_shell(
     shown = asyncio.Event()  # the shell's first output (its prompt) arrived
     tasks: list[asyncio.Task[None]] = []
     winch_installed = False
+    started = False
     end: ProcessEvent | None = None
 
     with _RawMode(fd if interactive else None):
         try:
-            async with contextlib.aclosing(envd.events(PROCESS_START, request)) as events:
+            async with contextlib.aclosing(
+                envd.events(PROCESS_START, request, timeout_ms=timeout_ms)
+            ) as events:
                 async for event in events:
                     if event.kind == "start" and not tasks:
                         if interactive and threading.current_thread() is threading.main_thread():
@@ -344,8 +381,11 @@ async def attach_shell(
                                 signal.SIGWINCH, jobs.put_nowait, ("resize", None)
                             )
                             winch_installed = True
+                        started = True
                         tasks = [
-                            asyncio.create_task(_pump_input(jobs, stop, interactive, shown)),
+                            asyncio.create_task(
+                                _pump_input(jobs, stop, interactive, shown, forward_stdin)
+                            ),
                             asyncio.create_task(
                                 _shell_worker(
                                     envd,
@@ -362,6 +402,10 @@ async def attach_shell(
                     elif event.kind != "start":
                         _write(out, event.data)
                         shown.set()
+        except EnvdError as exc:
+            if not started:  # envd refused to start it: 126/127 when that is why
+                raise invocation_error(exc) from None
+            raise
         finally:
             stop.set()
             if winch_installed:
@@ -381,7 +425,10 @@ async def _pump_input(
     stop: threading.Event,
     interactive: bool,
     shown: asyncio.Event,
+    forward: bool = True,
 ) -> None:
+    if not forward:
+        return
     last = b"\n"
     if not interactive:
         # Piped input waits for the shell's first output: typed before bash's line editor

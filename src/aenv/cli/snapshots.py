@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from .client import url_segment
-from .output import console, print_listing
+from .options import JsonFlagOpt, ListOutputOpt, QuietOpt
+from .output import Column, Listing, console, local_time, print_listing, resolve_format
 from .state import state_of
 
 
@@ -54,7 +54,9 @@ def snapshot_ls(
     sandbox_id: Annotated[
         str | None, typer.Option("--sandbox-id", "-s", help="Only snapshots of this sandbox.")
     ] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    output: ListOutputOpt = None,
+    quiet: QuietOpt = False,
+    json_out: JsonFlagOpt = False,
 ) -> None:
     """List snapshots.
 
@@ -62,7 +64,8 @@ def snapshot_ls(
 
     ```
     aenv snapshot ls
-    aenv snapshot ls --sandbox-id i1a2b3c4d5 --json
+    aenv snapshot ls --sandbox-id i1a2b3c4d5 -o json
+    aenv snapshot ls -q
     ```
     """
     params = {"sandboxID": sandbox_id} if sandbox_id else {}
@@ -76,7 +79,7 @@ def snapshot_ls(
             token = resp.headers.get("x-next-token")
             if not token:
                 break
-    print_listing(items, as_json=json_out, empty="no snapshots", table=_snapshot_table)
+    print_listing(items, SNAPSHOTS, resolve_format(output, json_flag=json_out), quiet)
 
 
 def snapshot_rm(
@@ -93,7 +96,7 @@ def snapshot_rm(
 
     ```
     aenv snapshot rm warm-py
-    aenv snapshot ls --json | jq -r '.[].snapshotID' | xargs aenv snapshot rm
+    aenv snapshot ls -q | xargs aenv snapshot rm
     ```
     """
     from .templates import delete_templates
@@ -101,13 +104,17 @@ def snapshot_rm(
     delete_templates(ctx, snapshots)
 
 
-def _snapshot_table(items: list[dict[str, Any]]) -> Table:
-    table = Table("SNAPSHOT", "MODE", "NAMES", box=None, header_style="bold", pad_edge=False)
-    for s in items:
-        table.add_row(
-            str(s["snapshotID"]), str(s.get("mode") or "full"), ", ".join(s.get("names") or [])
-        )
-    return table
+SNAPSHOTS = Listing(
+    columns=(
+        Column("SNAPSHOT", lambda s: s.get("snapshotID"), key=True),
+        Column("MODE", lambda s: s.get("mode") or "full"),
+        Column("NAMES", lambda s: ", ".join(s.get("names") or []), fold=True),
+        Column("SANDBOX", lambda s: s.get("sandboxID"), wide=True),
+        Column("CREATED", lambda s: local_time(s.get("createdAt")), wide=True),
+    ),
+    id_of=lambda s: s.get("snapshotID"),
+    empty="no snapshots",
+)
 
 
 def fork(

@@ -1,13 +1,21 @@
 """What every command reads from the root of the command line: the server URL, the API key
 and the node's settings (`CliState`, on the root typer context).
 
-Where the URL and key come from, first found wins: `--url`/`--api-key` (or `AENV_URL`/
-`AENV_API_KEY`), the credentials `aenv auth` stored (credentials.py; its key only for its
-URL), then the local node's defaults (its listen address; `api_key` in its config, then
-`$AENV_HOME/secrets/api-key`)."""
+Where the URL and key come from, first found wins, each on its own:
+
+1. the flags `--url` / `--api-key`, and `--context NAME` (a flag too: its URL and key);
+2. `AENV_URL` / `AENV_API_KEY`;
+3. E2B's variables, as its SDK reads them: `E2B_API_URL`, else `E2B_DOMAIN` (the API at
+   `https://api.<domain>`); `E2B_API_KEY`;
+4. the saved context (credentials.py): the one `AENV_CONTEXT` names, else the current one;
+   its key only for its own URL;
+5. the local node's defaults (its listen address; `api_key` in its config, then
+   `$AENV_HOME/secrets/api-key`).
+"""
 
 from __future__ import annotations
 
+import os
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +25,7 @@ import typer
 
 from ..envd_client import EnvdClient, EnvdTarget
 from .client import USER_AGENT, ControlPlane
-from .credentials import Credentials, credentials_path, load_credentials
+from .credentials import Contexts, Credentials, credentials_path, load_contexts, normalize_url
 from .errors import CliError
 from .tls import verify_option
 
@@ -25,36 +33,107 @@ if TYPE_CHECKING:
     from ..config import Settings
 
 
+def env(name: str) -> str | None:
+    """An environment variable, None when unset or blank (an empty export is no choice)."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
 @dataclass
 class CliState:
     url_option: str | None = None
     api_key_option: str | None = None
     debug: bool = False
+    context_option: str | None = None
     _settings: Settings | None = field(default=None, repr=False)
-    _credentials: Credentials | None = field(default=None, repr=False)
-    _credentials_read: bool = field(default=False, repr=False)
+    _contexts: Contexts | None = field(default=None, repr=False)
+
+    # -- contexts ---------------------------------------------------------------------------
+
+    def contexts(self) -> Contexts:
+        """What `aenv auth` and `aenv context` stored (read once per command)."""
+        if self._contexts is None:
+            self._contexts = load_contexts(credentials_path())
+        return self._contexts
+
+    def context_name(self) -> tuple[str | None, str]:
+        """The selected context's name (None: none) and what selected it."""
+        if self.context_option:
+            return self.context_option, "--context"
+        chosen = env("AENV_CONTEXT")
+        if chosen:
+            return chosen, "AENV_CONTEXT"
+        return self.contexts().current, "the current context"
+
+    def context(self) -> tuple[str, Credentials] | None:
+        """The selected context; one named by --context or AENV_CONTEXT must exist."""
+        name, how = self.context_name()
+        if name is None:
+            return None
+        creds = self.contexts().contexts.get(name)
+        if creds is None:
+            if how == "the current context":
+                return None
+            raise CliError(f"no context {name!r} ({how}); see `aenv context ls`")
+        return name, creds
 
     def credentials(self) -> Credentials | None:
-        """What `aenv auth` stored (None without a file)."""
-        if not self._credentials_read:
-            self._credentials = load_credentials(credentials_path())
-            self._credentials_read = True
-        return self._credentials
+        """The selected context's URL and key (None without one)."""
+        found = self.context()
+        return found[1] if found else None
+
+    def _context_source(self) -> str:
+        found = self.context()
+        name = found[0] if found else "?"
+        return f"context {name!r} in {credentials_path()}"
+
+    # -- the URL and the key ------------------------------------------------------------------
+
+    def _explicit_url(self) -> tuple[str, str] | None:
+        """A URL from a flag or the environment, and where it came from."""
+        if self.url_option:
+            return self.url_option, "--url"
+        if self.context_option and self.credentials() is not None:
+            return None  # --context is a flag: it outranks the environment
+        for name in ("AENV_URL", "E2B_API_URL"):
+            value = env(name)
+            if value:
+                return value, name
+        domain = env("E2B_DOMAIN")
+        if domain:
+            return f"https://api.{domain}", "E2B_DOMAIN"
+        return None
+
+    def _explicit_key(self) -> tuple[str, str] | None:
+        if self.api_key_option:
+            return self.api_key_option, "--api-key"
+        if self.context_option and self._stored_key() is not None:
+            return None
+        for name in ("AENV_API_KEY", "E2B_API_KEY"):
+            value = env(name)
+            if value:
+                return value, name
+        return None
 
     def _stored_key(self) -> Credentials | None:
-        """The stored credentials when their key may be sent: to their own URL only."""
+        """The selected context when its key may be sent: to its own URL only."""
         creds = self.credentials()
         if creds is None:
             return None
         if self.url_option and self.url_option.rstrip("/") != creds.url:
             return None
+        if not self.context_option:
+            explicit = self._explicit_url()
+            if explicit is not None and explicit[0].rstrip("/") != creds.url:
+                return None
         return creds
 
     def url_source(self) -> str:
-        if self.url_option:
-            return "--url / AENV_URL"
+        explicit = self._explicit_url()
+        if explicit is not None:
+            return explicit[1]
         if self.credentials() is not None:
-            return f"credentials file {credentials_path()}"
+            return self._context_source()
         return "local node settings (AENV_LISTEN)"
 
     def settings(self) -> Settings:
@@ -69,8 +148,9 @@ class CliState:
 
     @property
     def url(self) -> str:
-        if self.url_option:
-            return self.url_option.rstrip("/")
+        explicit = self._explicit_url()
+        if explicit is not None:
+            return normalize_url(explicit[0])
         creds = self.credentials()
         if creds is not None:
             return creds.url
@@ -81,10 +161,11 @@ class CliState:
         return f"{self.settings().scheme}://{host}:{port}"
 
     def key_source(self) -> str:
-        if self.api_key_option:
-            return "--api-key / AENV_API_KEY"
+        explicit = self._explicit_key()
+        if explicit is not None:
+            return explicit[1]
         if self._stored_key() is not None:
-            return f"credentials file {credentials_path()}"
+            return self._context_source()
         if self.settings().api_key:
             return "api_key in the aenv config file"
         return str(self.key_file())
@@ -98,12 +179,13 @@ class CliState:
 
     def api_key(self) -> tuple[str | None, str]:
         """(key or None, a hint for a 401). Never creates a key (the server does)."""
-        if self.api_key_option:
-            return self.api_key_option, "check --api-key / AENV_API_KEY"
+        explicit = self._explicit_key()
+        if explicit is not None:
+            return explicit[0], f"check {explicit[1]}"
         creds = self._stored_key()
         if creds is not None:
             return creds.api_key, (
-                f"the key stored in {credentials_path()} was not accepted; run `aenv auth`"
+                f"the key of {self._context_source()} was not accepted; run `aenv auth`"
             )
         settings = self.settings()
         if settings.api_key:

@@ -3,16 +3,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from rich.table import Table
-from rich.text import Text
 
 from .client import url_segment
-from .options import AutoOutputOpt, wants_json
-from .output import local_time, print_json, print_listing
+from .options import AutoOutputOpt, QuietOpt
+from .output import (
+    Column,
+    Listing,
+    OutputFormat,
+    local_time,
+    print_json,
+    print_listing,
+    resolve_format,
+)
 from .state import state_of
 
 TagsArg = Annotated[list[str], typer.Argument(metavar="TAG...", help="Tags.")]
@@ -22,6 +27,7 @@ def tags_ls(
     ctx: typer.Context,
     template: Annotated[str, typer.Argument(metavar="TEMPLATE", help="Template ID or name.")],
     output: AutoOutputOpt = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """List a template's tags and the build each one points at.
 
@@ -29,25 +35,24 @@ def tags_ls(
 
     ```
     aenv template tags ls my-app
-    aenv template tags ls my-app -o json
+    aenv template tags ls my-app -o yaml
+    aenv template tags ls my-app -q
     ```
     """
     with state_of(ctx).control() as cp:
         items = cp.request("GET", f"/templates/{url_segment(template)}/tags").json()
-    print_listing(items, as_json=wants_json(output), empty="no tags", table=_tags_table)
+    print_listing(items, TAGS, resolve_format(output, piped=OutputFormat.json), quiet)
 
 
-def _tags_table(items: Sequence[dict[str, Any]]) -> Table:
-    table = Table(box=None, header_style="bold", pad_edge=False)
-    for col in ("TAG", "BUILD", "ASSIGNED"):
-        table.add_column(col, no_wrap=True)
-    for t in items:
-        table.add_row(
-            Text(str(t.get("tag"))),
-            Text(str(t.get("buildID"))),
-            Text(local_time(t.get("createdAt"))),
-        )
-    return table
+TAGS = Listing(
+    columns=(
+        Column("TAG", lambda t: t.get("tag")),
+        Column("BUILD", lambda t: t.get("buildID")),
+        Column("ASSIGNED", lambda t: local_time(t.get("createdAt"))),
+    ),
+    id_of=lambda t: t.get("tag"),
+    empty="no tags",
+)
 
 
 def tags_add(

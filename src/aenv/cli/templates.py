@@ -20,7 +20,7 @@ import typer
 from .builds import context_files, read_dockerignore, run_build
 from .client import ControlPlane, url_segment
 from .errors import CliError, one_line
-from .options import OutputFormat, OutputOpt, pairs
+from .options import ListOutputOpt, QuietOpt, WatchOpt, pairs
 from .state import state_of
 
 
@@ -123,23 +123,28 @@ def pull_image(
 # -- commands -------------------------------------------------------------------------------
 
 
-def template_ls(ctx: typer.Context, output: OutputOpt = OutputFormat.table) -> None:
-    """List templates.
+def template_ls(
+    ctx: typer.Context,
+    output: ListOutputOpt = None,
+    quiet: QuietOpt = False,
+    watch: WatchOpt = False,
+) -> None:
+    """List templates (`-w`: follow their build status until Ctrl-C).
 
     Examples:
 
     ```
     aenv template ls
-    aenv template ls -o json | jq -r '.[].templateID'
+    aenv template ls -o wide
+    aenv template ls -q
+    aenv template ls -w          # watch a build go from building to ready
     ```
     """
-    from .output import print_listing, template_table
+    from .output import TEMPLATES, resolve_format
+    from .watch import show_listing
 
     with state_of(ctx).control() as cp:
-        templates = cp.list_templates()
-    print_listing(
-        templates, as_json=output is OutputFormat.json, empty="no templates", table=template_table
-    )
+        show_listing(cp.list_templates, TEMPLATES, resolve_format(output), quiet, watch)
 
 
 def template_build_base(

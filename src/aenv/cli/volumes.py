@@ -13,11 +13,11 @@ from typing import Annotated, Any, BinaryIO
 
 import httpx
 import typer
-from rich.table import Table
 
 from .client import ControlPlane, server_message, transport_error, url_segment
 from .errors import CliError
-from .output import print_listing
+from .options import JsonFlagOpt, ListOutputOpt, QuietOpt
+from .output import Column, Listing, print_listing, resolve_format
 from .state import CliState, state_of
 
 VolumeArg = Annotated[str, typer.Argument(metavar="VOLUME", help="Volume ID or name.")]
@@ -95,7 +95,9 @@ def volume_create(
 
 def volume_ls(
     ctx: typer.Context,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    output: ListOutputOpt = None,
+    quiet: QuietOpt = False,
+    json_out: JsonFlagOpt = False,
 ) -> None:
     """List volumes.
 
@@ -103,19 +105,24 @@ def volume_ls(
 
     ```
     aenv volume ls
-    aenv volume ls --json
+    aenv volume ls -o json
+    aenv volume ls -q
     ```
     """
     with state_of(ctx).control() as cp:
         items = cp.request("GET", "/volumes").json()
-    print_listing(items, as_json=json_out, empty="no volumes", table=_volume_table)
+    print_listing(items, VOLUMES, resolve_format(output, json_flag=json_out), quiet)
 
 
-def _volume_table(items: list[dict[str, Any]]) -> Table:
-    table = Table("VOLUME", "NAME")
-    for v in items:
-        table.add_row(str(v["volumeID"]), str(v["name"]))
-    return table
+VOLUMES = Listing(
+    columns=(
+        Column("VOLUME", lambda v: v.get("volumeID"), key=True),
+        Column("NAME", lambda v: v.get("name")),
+    ),
+    id_of=lambda v: v.get("volumeID"),
+    empty="no volumes",
+    boxed=True,
+)
 
 
 def volume_rm(
@@ -141,36 +148,39 @@ def volume_files(
     volume: VolumeArg,
     path: Annotated[str, typer.Argument(help="Directory in the volume.")] = "/",
     depth: Annotated[int, typer.Option("--depth", min=1, help="Levels to list.")] = 1,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    output: ListOutputOpt = None,
+    quiet: QuietOpt = False,
+    json_out: JsonFlagOpt = False,
 ) -> None:
-    """List the files of a volume.
+    """List the files of a volume (`-q`: their paths).
 
     Examples:
 
     ```
     aenv volume files datasets
-    aenv volume files datasets /train --depth 3 --json
+    aenv volume files datasets /train --depth 3 -o json
     ```
     """
     with _content(state_of(ctx), volume) as (http, vid):
         items = _call(
             http, "GET", f"/volumecontent/{vid}/dir", params={"path": path, "depth": depth}
         ).json()
-    print_listing(items, as_json=json_out, empty="no files", table=_files_table)
+    print_listing(items, FILES, resolve_format(output, json_flag=json_out), quiet)
 
 
-def _files_table(items: list[dict[str, Any]]) -> Table:
-    table = Table("PATH", "TYPE", "SIZE", "MODE", "OWNER", "MODIFIED")
-    for e in items:
-        table.add_row(
-            str(e["path"]),
-            str(e["type"]),
-            str(e["size"]),
-            f"{int(e['mode']):04o}",
-            f"{e['uid']}:{e['gid']}",
-            str(e["mtime"]),
-        )
-    return table
+FILES = Listing(
+    columns=(
+        Column("PATH", lambda e: e.get("path"), fold=True),
+        Column("TYPE", lambda e: e.get("type")),
+        Column("SIZE", lambda e: e.get("size"), justify="right"),
+        Column("MODE", lambda e: f"{int(e.get('mode') or 0):04o}"),
+        Column("OWNER", lambda e: f"{e.get('uid')}:{e.get('gid')}"),
+        Column("MODIFIED", lambda e: e.get("mtime")),
+    ),
+    id_of=lambda e: e.get("path"),
+    empty="no files",
+    boxed=True,
+)
 
 
 def volume_cp(
