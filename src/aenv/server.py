@@ -171,15 +171,17 @@ def serve(settings: Settings) -> None:
     # a request waits on it at most ~1 ms a switch instead of 5.
     sys.setswitchinterval(0.001)
     app = node_app(settings)
-    print(f"aenv: serving on {settings.url} (home {settings.home})", file=sys.stderr)
+    # A log line, not a print: with AENV_LOG_FORMAT=json every line of stderr is JSON.
+    log.info("serving on %s (home %s)", settings.url, settings.home)
     QuietServer(uvicorn_config(app, settings, WS_SERVER_OPTIONS)).run()
 
 
 def serve_gateway(settings: Settings) -> None:
     _serving(settings)
     app = gateway_app(settings)
-    print(
-        f"aenv: gateway serving on {settings.url} (cluster {url_without_password(settings.redis_url or '')})",
-        file=sys.stderr,
+    log.info(
+        "gateway serving on %s (cluster %s)",
+        settings.url,
+        url_without_password(settings.redis_url or ""),
     )
     QuietServer(uvicorn_config(app, settings, WS_SERVER_OPTIONS)).run()
