@@ -5,7 +5,7 @@ set -eu
 
 PKGS="runsc debootstrap iproute2 iptables util-linux e2fsprogs btrfs-progs procps ca-certificates gcc libc6-dev \
 curl redis-server docker-registry skopeo psmisc python3-venv busybox-static \
-chromium fonts-liberation"
+chromium fonts-liberation prometheus"
 
 missing=""
 for p in $PKGS; do
@@ -42,6 +42,9 @@ $apt install -y -qq --no-install-recommends $(echo "$missing" | sed 's/runsc//')
 case "$missing" in *runsc*) $apt install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null ;; esac
 # The packaged services must not hold ports the tests use; tests start their own (which
 # this must not stop: another session's may be running), so only the packaged commands.
-systemctl disable --now redis-server docker-registry >/dev/null 2>&1 || true
+# (prometheus: tests/integration/test_prometheus_scrape.py scrapes a node and a gateway with
+# one of its own; the packaged one would hold :9090 and scrape nothing of ours.)
+systemctl disable --now redis-server docker-registry prometheus >/dev/null 2>&1 || true
 pkill -f "^/usr/bin/redis-server 127.0.0.1:6379" 2>/dev/null || true
 pkill -f "^/usr/bin/docker-registry serve /etc/docker/registry" 2>/dev/null || true
+pkill -x -f "/usr/bin/prometheus" 2>/dev/null || true

@@ -34,10 +34,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .domain import Quota
-from .errors import BadRequest, Conflict, InternalError, NotFound
+from .errors import BadRequest, Conflict, InternalError, NotFound, Unauthorized
 from .fsutil import flock, write_private
 
 if TYPE_CHECKING:
+    from starlette.datastructures import Headers
+
     from .config import Settings
 
 log = logging.getLogger("aenv.keys")
@@ -50,6 +52,24 @@ _DISPLAY_LEN = len(KEY_PREFIX) + 6
 
 # (inode, mtime, ctime, size): a new file (atomic replace) or a new write changes it.
 _Signature = tuple[int, int, int, int]
+
+
+API_KEY_HEADER = "x-api-key"
+
+
+def presented_key(headers: Headers) -> str:
+    """The one key a request carries (`X-API-Key` or `Authorization: Bearer`), for a node's
+    API and a gateway's own routes alike; Unauthorized when none or more than one."""
+    values = [v.strip() for v in headers.getlist(API_KEY_HEADER)]
+    for auth in headers.getlist("authorization"):
+        scheme, _, token = auth.strip().partition(" ")
+        if scheme.lower() == "bearer":
+            values.append(token.strip())
+    if not values:
+        raise Unauthorized("missing API key: send X-API-Key or Authorization: Bearer")
+    if len(values) > 1:
+        raise Unauthorized("API key sent more than once (X-API-Key / Authorization)")
+    return values[0]
 
 
 def new_key() -> str:

@@ -12,10 +12,13 @@ import logging
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 
+from starlette.middleware import Middleware
 from starlette.types import ASGIApp
 
 from .api.app import create_app
+from .api.requestid import RequestId
 from .builds.builder import Builder
 from .cluster.agent import NodeAgent
 from .cluster.directory import Directory, Discover
@@ -23,6 +26,7 @@ from .cluster.endpoints import EndpointWatch
 from .cluster.forward import NodeClient
 from .cluster.gateway import Gateway, create_gateway_app
 from .cluster.k8s import KubernetesDiscovery
+from .cluster.metrics import GatewayMetrics
 from .cluster.scheduler import load_scheduler
 from .cluster.state import ClusterState
 from .config import Settings
@@ -44,6 +48,7 @@ from .runtime.select import make_runtime
 from .runtime.storage.cowpool import open_pool
 from .serving import Part, QuietServer, check_tls, lifespan_of, uvicorn_config
 from .snapshots import SnapshotStore, open_repository
+from .telemetry import HttpMetricsMiddleware, MetricsListener
 
 log = logging.getLogger("aenv.server")
 
@@ -103,7 +108,11 @@ def node_app(settings: Settings, orchestrator: Orchestrator | None = None) -> AS
     parts: list[Part] = [_KeyBootstrap(settings, keys), orch, builder]
     if settings.redis_url:
         parts.append(NodeAgent(settings, orch, ClusterState(settings.redis_url)))
-    return create_app(settings, orch, keys=keys, builder=builder, lifespan=lifespan_of(*parts))
+    if settings.metrics_listen:
+        parts.append(MetricsListener(settings.metrics_listen, orch.stats.exposition))
+    app = create_app(settings, orch, keys=keys, builder=builder, lifespan=lifespan_of(*parts))
+    # Outside the data-plane router: sandbox traffic is counted too (as `data-plane`).
+    return HttpMetricsMiddleware(app, orch.stats.http)
 
 
 @dataclass
@@ -133,10 +142,19 @@ def gateway_app(settings: Settings) -> ASGIApp:
         parts.append(watch)
         discover = watch.ready
     directory = Directory(settings, state, scheduler, discover)
-    nodes = NodeClient()
-    gateway = Gateway(settings, state, directory, nodes, scheduler)
+    metrics = GatewayMetrics()
+    nodes = NodeClient(metrics)
+    gateway = Gateway(settings, state, directory, nodes, scheduler, metrics)
+    if settings.metrics_listen:
+        parts.append(
+            MetricsListener(settings.metrics_listen, partial(metrics.exposition, directory.nodes))
+        )
     lifespan = lifespan_of(*parts, _Closing(nodes.aclose), _Closing(state.close))
-    return create_gateway_app(settings, gateway, directory, lifespan)
+    # The node API's request ids: the gateway's answers carry one too, and it goes on to
+    # the node with the request (the node keeps a usable id it is given).
+    ids = [Middleware(RequestId, access_log=settings.access_log)]
+    app = create_gateway_app(settings, gateway, directory, lifespan, ids)
+    return HttpMetricsMiddleware(app, metrics.http)
 
 
 def _serving(settings: Settings) -> None:
@@ -153,15 +171,17 @@ def serve(settings: Settings) -> None:
     # a request waits on it at most ~1 ms a switch instead of 5.
     sys.setswitchinterval(0.001)
     app = node_app(settings)
-    print(f"aenv: serving on {settings.url} (home {settings.home})", file=sys.stderr)
+    # A log line, not a print: with AENV_LOG_FORMAT=json every line of stderr is JSON.
+    log.info("serving on %s (home %s)", settings.url, settings.home)
     QuietServer(uvicorn_config(app, settings, WS_SERVER_OPTIONS)).run()
 
 
 def serve_gateway(settings: Settings) -> None:
     _serving(settings)
     app = gateway_app(settings)
-    print(
-        f"aenv: gateway serving on {settings.url} (cluster {url_without_password(settings.redis_url or '')})",
-        file=sys.stderr,
+    log.info(
+        "gateway serving on %s (cluster %s)",
+        settings.url,
+        url_without_password(settings.redis_url or ""),
     )
     QuietServer(uvicorn_config(app, settings, WS_SERVER_OPTIONS)).run()

@@ -115,7 +115,7 @@ def test_node_view_and_prometheus(sbx: Sandbox, e2b_env: Server) -> None:
         for fam in text_string_to_metric_families(prom.text)
         for s in fam.samples
     }
-    assert samples[("aenv_operation_seconds_count", (("op", "create"),))] >= 1
+    assert samples[("aenv_operation_duration_seconds_count", (("op", "create"),))] >= 1
     assert samples[("aenv_sandboxes", (("state", "running"),))] >= 1
     assert samples[("aenv_cache_bytes", (("cache", "layers"),))] > 0
     unauthenticated = httpx.get(f"{e2b_env.url}/metrics")

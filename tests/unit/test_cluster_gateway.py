@@ -32,11 +32,14 @@ class FakeNode:
         self.full = False
         self.sandboxes: set[str] = set()
         self.seen: list[str] = []
+        # The X-Request-Id of each request the node got (the gateway passes its own on).
+        self.request_ids: list[str] = []
         self._ids = itertools.count(1)
 
     def app(self) -> Starlette:
         async def create(request: Request) -> Response:
             self.seen.append(f"{request.method} {request.url.path}")
+            self.request_ids.append(request.headers.get("x-request-id", ""))
             body = await request.json()
             if body.get("templateID") == "missing!":
                 return JSONResponse({"code": 400, "message": "bad template"}, 400)
@@ -49,6 +52,7 @@ class FakeNode:
         async def sandbox(request: Request) -> Response:
             sid = request.path_params["sid"]
             self.seen.append(f"{request.method} {request.url.path}")
+            self.request_ids.append(request.headers.get("x-request-id", ""))
             if sid not in self.sandboxes:
                 return JSONResponse({"code": 404, "message": "not here"}, 404)
             if request.method == "DELETE":

@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("images", "envd"),
     # Shared by everything above: settings, records, errors and small helpers.
     (
+        "telemetry",
         "serving",
         "redact",
         "config",

@@ -182,9 +182,9 @@ async def test_prometheus_exposition(node: Harness) -> None:
     with pytest.raises(NotFound):
         await node.orch.sandboxes.kill("missing")
     fams = families((await node.orch.stats.exposition()).decode())
-    ops = fams["aenv_operation_seconds"]
-    assert value(ops, "aenv_operation_seconds_count", op="create") == 1
-    assert value(ops, "aenv_operation_seconds_count", op="pause") == 1
+    ops = fams["aenv_operation_duration_seconds"]
+    assert value(ops, "aenv_operation_duration_seconds_count", op="create") == 1
+    assert value(ops, "aenv_operation_duration_seconds_count", op="pause") == 1
     errors = fams["aenv_operation_errors"]
     assert value(errors, "aenv_operation_errors_total", op="kill", code="404") == 1
     states = fams["aenv_sandboxes"]
@@ -254,7 +254,7 @@ async def test_api_nodes_and_prometheus(node: Harness, api: httpx.AsyncClient) -
     assert (await api.get("/nodes/other-node")).status_code == 404
     prom = await api.get("/metrics")
     assert prom.status_code == 200 and prom.headers["content-type"].startswith("text/plain")
-    assert "aenv_operation_seconds" in families(prom.text)
+    assert "aenv_operation_duration_seconds" in families(prom.text)
     assert (await api.get("/metrics", headers={"X-API-Key": ""})).status_code == 401
     bearer = await httpx.AsyncClient(transport=api._transport, base_url="http://aenv").get(
         "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}

@@ -15,27 +15,10 @@ from __future__ import annotations
 import hmac
 
 from fastapi import Request
-from starlette.datastructures import Headers
 
 from aenv.config import Settings
 from aenv.errors import Unauthorized
-from aenv.keys import KeyStore
-
-API_KEY_HEADER = "x-api-key"
-
-
-def presented_key(headers: Headers) -> str:
-    """The one key the request carries; Unauthorized when none or more than one."""
-    values = [v.strip() for v in headers.getlist(API_KEY_HEADER)]
-    for auth in headers.getlist("authorization"):
-        scheme, _, token = auth.strip().partition(" ")
-        if scheme.lower() == "bearer":
-            values.append(token.strip())
-    if not values:
-        raise Unauthorized("missing API key: send X-API-Key or Authorization: Bearer")
-    if len(values) > 1:
-        raise Unauthorized("API key sent more than once (X-API-Key / Authorization)")
-    return values[0]
+from aenv.keys import KeyStore, presented_key
 
 
 def check_api_key(key: str, store: KeyStore, fixed: str | None) -> str | None:

@@ -1,7 +1,10 @@
 """Every API answer carries an `X-Request-Id`: the client's own when it sent a usable one
 (so a caller can follow its request through the node's logs), else a new one. Log lines
 written while the request is handled carry it too (`logctx.request_id_var`), and with
-`AENV_ACCESS_LOG` each request gets one line: method, path, status, milliseconds."""
+`AENV_ACCESS_LOG` each request gets one line: method, path, status, milliseconds.
+
+A gateway wraps its control plane in this too: the id it settles on is put in the request's
+own headers, so the node the request goes on to logs and answers the same id."""
 
 from __future__ import annotations
 
@@ -30,6 +33,11 @@ class RequestId:
             await self.app(scope, receive, send)
             return
         rid = _given(scope) or secrets.token_hex(8)
+        # In place, as Starlette's router does: what is inside (a forward) sees it.
+        scope["headers"] = [
+            *((k, v) for k, v in scope.get("headers", []) if k != HEADER.encode()),
+            (HEADER.encode(), rid.encode()),
+        ]
         token = request_id_var.set(rid)
         start = time.monotonic()
         status = 0

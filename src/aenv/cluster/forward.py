@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -17,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 from ..errors import AenvError, BadGateway
 from ..proxy._common import HOP_BY_HOP, Target
 from ..proxy.http import HttpForwarder
+from .metrics import GatewayMetrics
 from .records import NodeRecord
 
 log = logging.getLogger("aenv.cluster")
@@ -50,8 +52,12 @@ class NodeTarget(Target):
     node's error, not a sandbox port's."""
 
     node_id: str = ""
+    # Told of each refused connection (the gateway's routing-error counter).
+    on_unreachable: Callable[[], None] | None = field(default=None, compare=False)
 
     def unreachable(self, reason: str) -> dict[str, object]:
+        if self.on_unreachable is not None:
+            self.on_unreachable()
         return {"code": 502, "message": f"node {self.node_id!r} is unreachable: {reason}"}
 
 
@@ -59,21 +65,29 @@ class _Passthrough(Response):
     """A response that is the node's own, relayed byte for byte by the proxy's forwarder
     (the request's body is read from the client as it is sent on)."""
 
-    def __init__(self, forwarder: HttpForwarder, target: NodeTarget) -> None:
+    def __init__(
+        self, forwarder: HttpForwarder, target: NodeTarget, metrics: GatewayMetrics
+    ) -> None:
         self.forwarder = forwarder
         self.target = target
+        self.metrics = metrics
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.forwarder.forward(scope, receive, send, self.target)
+        done = self.metrics.timer("streamed")
+        try:
+            await self.forwarder.forward(scope, receive, send, self.target)
+        finally:
+            done()
 
 
 class NodeClient:
-    def __init__(self) -> None:
+    def __init__(self, metrics: GatewayMetrics | None = None) -> None:
         self.http = httpx.AsyncClient(
             timeout=TIMEOUT, limits=httpx.Limits(max_connections=512), follow_redirects=False
         )
         self.raw = HttpForwarder()
+        self.metrics = metrics or GatewayMetrics()
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -96,7 +110,9 @@ class NodeClient:
                 query=scope.get("query_string", b""),
                 headers=list(scope["headers"]),
                 node_id=node.node_id,
+                on_unreachable=lambda: self.metrics.routing_error("node_unreachable"),
             ),
+            self.metrics,
         )
 
     @staticmethod
@@ -115,15 +131,16 @@ class NodeClient:
         """Passes the request on and reads the whole answer (for answers the gateway reads
         or merges)."""
         url = httpx.URL(node.url + request.url.path, query=request.url.query.encode())
+        content = body if body is not None else await request.body()
+        done = self.metrics.timer("buffered")
         try:
             return await self.http.request(
-                request.method,
-                url,
-                headers=self._headers(request),
-                content=body if body is not None else await request.body(),
+                request.method, url, headers=self._headers(request), content=content
             )
         except httpx.TransportError as e:
             raise NodeUnreachable(node, e) from e
+        finally:
+            done()
 
     async def call(
         self,

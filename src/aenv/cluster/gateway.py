@@ -10,13 +10,16 @@ healthy node. Data plane: the node's own router, by sandbox id, streams passed t
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import re
 from typing import Any
 from urllib.parse import urlsplit
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -25,14 +28,17 @@ from starlette.types import ASGIApp
 from ..config import Settings
 from ..console import browser_redirect, console_routes
 from ..domain import DEFAULT_TEMPLATE, Upstream
-from ..errors import AenvError, BadRequest, NotFound, SandboxNotFound
+from ..errors import AenvError, BadRequest, NotFound, SandboxNotFound, Unauthorized, Unavailable
+from ..keys import presented_key
 from ..proxy._common import ROUTING_HEADERS, Scope
 from ..proxy.dispatch import Route as SandboxRoute
 from ..proxy.dispatch import SandboxRouter
 from ..serving import Lifespan
+from ..telemetry import set_route
 from .aggregate import merge_pages, node_view
-from .directory import Directory
-from .forward import NodeClient, NodeError
+from .directory import Directory, NodeLost
+from .forward import NodeClient, NodeError, NodeUnreachable
+from .metrics import GatewayMetrics, route_template
 from .records import NodeRecord
 from .scheduler import Placement, Scheduler
 from .state import ClusterState
@@ -59,22 +65,30 @@ class Gateway:
         directory: Directory,
         nodes: NodeClient,
         scheduler: Scheduler,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.settings = settings
         self.state = state
         self.directory = directory
         self.nodes = nodes
         self.scheduler = scheduler
+        self.metrics = metrics or GatewayMetrics()
 
     # ------------------------------------------------------------------ entry
     async def handle(self, request: Request) -> Response:
+        # Reported under the node API's template, not the catch-all route that took it.
+        set_route(request.scope, route_template(request.url.path))
         try:
             return await self._route(request)
         except AenvError as e:
+            if (reason := routing_error(e)) is not None:
+                self.metrics.routing_error(reason)
             return JSONResponse(e.to_json(), status_code=e.status)
 
     async def _route(self, request: Request) -> Response:
         path, method = request.url.path, request.method
+        if path == "/metrics" and method in ("GET", "HEAD"):
+            return await self._metrics(request)
         if path == "/health":
             return JSONResponse({"status": "ok", "role": "gateway"})
         if path == "/" and (to_console := browser_redirect(request)) is not None:
@@ -129,18 +143,26 @@ class Gateway:
             node = next((n for n in nodes if n.node_id == preferred and last), None)
             node = node or self.scheduler.place(place, nodes)
             tried.add(node.node_id)
-            resp = await self.nodes.send(request, node, body=body)
+            try:
+                resp = await self.nodes.send(request, node, body=body)
+            except NodeUnreachable:
+                self.metrics.placed("sandbox", "failed")
+                raise
             if resp.status_code < 400:
                 sandbox_id = _json(resp.content).get("sandboxID")
                 if isinstance(sandbox_id, str):
                     await self.directory.bind(sandbox_id, node.node_id)
+                self.metrics.placed("sandbox", "placed")
                 return _plain(resp)
             last = _plain(resp)
             # Full, draining, or a template only another node has yet: try another node.
             if resp.status_code not in (404, 409, 429, 503, 507):
+                self.metrics.placed("sandbox", "failed")
                 return last
         if last is not None:
+            self.metrics.placed("sandbox", "turned_down")
             return last
+        self.metrics.placed("sandbox", "no_node")
         return JSONResponse({"code": 503, "message": "no node is ready to take sandboxes"}, 503)
 
     async def _sandbox(self, request: Request, sandbox_id: str, rest: str) -> Response:
@@ -196,11 +218,19 @@ class Gateway:
     # ------------------------------------------------------------------ templates
     async def _build_request(self, request: Request) -> Response:
         body = await request.body()
+        nodes = await self.directory.schedulable()
+        if not nodes:
+            self.metrics.placed("build", "no_node")
         node = self.scheduler.place(
             Placement("", self.settings.default_cpu_count, self.settings.default_memory_mb),
-            await self.directory.schedulable(),
+            nodes,
         )
-        resp = await self.nodes.send(request, node, body=body)
+        try:
+            resp = await self.nodes.send(request, node, body=body)
+        except NodeUnreachable:
+            self.metrics.placed("build", "failed")
+            raise
+        self.metrics.placed("build", "placed" if resp.status_code < 400 else "failed")
         template_id = _json(resp.content).get("templateID")
         if resp.status_code < 400 and isinstance(template_id, str):
             await self.state.bind_template(template_id, node.node_id)
@@ -294,6 +324,22 @@ class Gateway:
                     merged.setdefault(key, []).extend(value)
         return JSONResponse(merged)
 
+    # ------------------------------------------------------------------ metrics
+    async def _metrics(self, request: Request) -> Response:
+        """This gateway's own registry (each node serves its own), with the key a node's
+        `/metrics` takes: AENV_API_KEY, which every gateway and node of a cluster share."""
+        key = presented_key(request.headers)
+        fixed = self.settings.api_key
+        if fixed is None:
+            raise Unauthorized(
+                "this gateway has no AENV_API_KEY to check keys against: "
+                "scrape AENV_METRICS_LISTEN instead"
+            )
+        if not hmac.compare_digest(key.encode(), fixed.encode()):
+            raise Unauthorized("Invalid API key")
+        body = await self.metrics.exposition(self.directory.nodes)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
     # ------------------------------------------------------------------ nodes
     async def _nodes(self) -> Response:
         return JSONResponse([node_view(n) for n in await self.directory.nodes(fresh=True)])
@@ -325,6 +371,22 @@ class GatewayRouter(SandboxRouter):
 
     def target_path(self, route: SandboxRoute, scope: Scope) -> bytes:
         return scope.get("raw_path") or scope["path"].encode()  # the node strips `/proxy`
+
+
+def routing_error(e: AenvError) -> str | None:
+    """`aenv_gateway_routing_errors_total`'s reason for an error, None when the error is
+    the client's (a bad body, a wrong key) rather than the routing's."""
+    if isinstance(e, NodeUnreachable):
+        return "node_unreachable"
+    if isinstance(e, NodeLost):
+        return "node_lost"
+    if isinstance(e, Unavailable):
+        return "no_node"
+    if isinstance(e, NotFound):
+        return "not_found"
+    if isinstance(e, NodeError):
+        return "node_error"
+    return None
 
 
 def _upstream(node: NodeRecord) -> Upstream:
@@ -359,10 +421,17 @@ def _plain(resp: Any) -> Response:
 
 
 def create_gateway_app(
-    settings: Settings, gateway: Gateway, directory: Directory, lifespan: Lifespan
+    settings: Settings,
+    gateway: Gateway,
+    directory: Directory,
+    lifespan: Lifespan,
+    middleware: list[Middleware] | None = None,
 ) -> ASGIApp:
-    """The gateway's one port over its parts (`aenv.server` builds them)."""
+    """The gateway's one port over its parts (`aenv.server` builds them); `middleware`
+    wraps the control plane (the API's request ids: the data plane's answers are the
+    sandboxes' own)."""
     control = Starlette(
+        middleware=middleware,
         routes=[
             # The web console (static; its API calls come back here with the user's key).
             *console_routes(),
@@ -379,9 +448,15 @@ def create_gateway_app(
         try:
             node = await directory.usable(sandbox_id, gateway._release, gateway._adopt, resume=True)
         except NotFound:
+            gateway.metrics.routing_error("not_found")
             raise SandboxNotFound(sandbox_id) from None
         except NodeError as e:
+            gateway.metrics.routing_error("node_error")
             raise SandboxNotFound(sandbox_id) from e
+        except AenvError as e:
+            if (reason := routing_error(e)) is not None:
+                gateway.metrics.routing_error(reason)
+            raise
         return _upstream(node)
 
     return GatewayRouter(control, resolve, settings.routing_domains)

@@ -125,6 +125,11 @@ class Settings(BaseSettings):
     # by default, since a busy node answers thousands a second. Every answer carries its
     # `X-Request-Id` either way.
     access_log: bool = False
+    # `host:port` of a second, plain-HTTP listener that serves only `GET /metrics`, without
+    # the API key (as Prometheus exporters do; who may reach it is the network's to decide,
+    # e.g. `0.0.0.0:9464` with a NetworkPolicy letting only Prometheus in). Unset: none;
+    # `/metrics` on the main port (with the key) is there either way.
+    metrics_listen: str | None = None
     # Sandboxes of the default template booted ahead of demand (envd up, not yet assigned):
     # a create that matches takes one and only has to initialise envd.
     sandbox_pool_size: int = 2
@@ -237,6 +242,19 @@ class Settings(BaseSettings):
         ):
             raise ValueError(f"domain must be a DNS name with an optional :port, got {value!r}")
         return f"{name}:{int(port)}" if sep else name
+
+    @field_validator("metrics_listen", mode="before")
+    @classmethod
+    def _metrics_listen(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if not text:
+            return None  # `AENV_METRICS_LISTEN=` (empty) means off
+        host, sep, port = text.rpartition(":")
+        if not sep or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f"metrics_listen must be host:port, got {value!r}")
+        return text
 
     @field_validator("tls_cert", "tls_key", "volumes_root", mode="before")
     @classmethod

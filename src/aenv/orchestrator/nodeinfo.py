@@ -1,6 +1,7 @@
 """What the node tells about itself: the E2B `Node` view (capacity, allocation, usage,
 sandbox counts, create counters, status) and the Prometheus registry of its operations
-(latency histograms and error counters per operation, sandboxes by state, cache sizes)."""
+(latency histograms and error counters per operation, sandboxes by state, cache sizes),
+its HTTP requests, process and build (`aenv.telemetry`)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from .. import __version__
 from ..domain import HOLDS_MEMORY, SandboxRecord, SandboxState
 from ..errors import AenvError
 from ..logctx import sandbox_context
+from ..telemetry import HttpMetrics, register_process_and_build
 from .durable import Durable
 from .storage import SandboxStorage
 from .table import SandboxTable
@@ -98,7 +100,9 @@ class NodeStats:
         self._cpu: tuple[int, int] | None = None
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.latency = Histogram(
-            "aenv_operation_seconds",
+            # `_duration_seconds`, like every latency histogram of ours (was
+            # `aenv_operation_seconds`).
+            "aenv_operation_duration_seconds",
             "Duration of sandbox lifecycle operations that succeeded",
             ["op"],
             buckets=BUCKETS,
@@ -121,6 +125,10 @@ class NodeStats:
         )
         self._budget = Gauge("aenv_memory_budget_bytes", "The admission budget", registry=r)
         self._cache = Gauge("aenv_cache_bytes", "Node caches' size on disk", ["cache"], registry=r)
+        # The API's requests (counted by the app's middleware), the process and the build:
+        # here, so the node's one registry is whole however often an app is built over it.
+        self.http = HttpMetrics(r)
+        register_process_and_build(r)
 
     # ---------------------------------------------------------------- operations
     @contextlib.contextmanager

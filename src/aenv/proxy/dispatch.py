@@ -46,6 +46,7 @@ from aenv.errors import (
     Unauthorized,
 )
 from aenv.logctx import sandbox_context
+from aenv.telemetry import DATA_PLANE, set_route
 
 from ._common import (
     ROUTING_HEADERS,
@@ -250,6 +251,8 @@ class SandboxRouter:
                 await self._error(scope, send, exc.status, exc.to_json())
                 return
             if route is not None:
+                # One label for all sandbox traffic (`aenv_http_requests_total`).
+                set_route(scope, DATA_PLANE)
                 # Log lines of the request (auto-resume included) are about its sandbox.
                 with sandbox_context(route.sandbox_id):
                     await self._forward(route, scope, receive, send)
