@@ -1,7 +1,9 @@
 """A renderer for the part of kustomize that `deploy/kubernetes/kustomization.yaml` uses.
 
 `resources` (local files), `namespace`, `labels` (without `includeSelectors`) and `images`,
-applied as `kubectl kustomize` applies them. Any other field of the kustomization is refused
+applied as `kubectl kustomize` applies them, and `configurations` of `nameReference`s only,
+which change nothing here (they rename values along with a Service that an overlay's
+`namePrefix` renames; tests/unit/test_deploy_overlays.py renders overlays with kubectl). Any other field of the kustomization is refused
 rather than ignored, so the tests never check a rendering that differs from what
 `kubectl apply -k` would create (and where kubectl is installed, the tests compare the two).
 """
@@ -14,7 +16,15 @@ from typing import Any
 
 import yaml
 
-SUPPORTED = {"apiVersion", "kind", "namespace", "labels", "resources", "images"}
+SUPPORTED = {
+    "apiVersion",
+    "kind",
+    "namespace",
+    "labels",
+    "resources",
+    "images",
+    "configurations",
+}
 # Kinds without a namespace (of those a deployment may carry).
 CLUSTER_SCOPED = {
     "Namespace",
@@ -45,6 +55,10 @@ def render(directory: Path) -> list[dict[str, Any]]:
         "Kustomization",
     ):
         raise Unsupported("not a kustomize.config.k8s.io/v1beta1 Kustomization")
+    for conf in kz.get("configurations", []):
+        fields = set(yaml.safe_load((directory / conf).read_text()))
+        if fields != {"nameReference"}:
+            raise Unsupported(f"configurations {conf!r}: only nameReference is rendered")
     objects: list[dict[str, Any]] = []
     for res in kz.get("resources", []):
         path = directory / res

@@ -1,5 +1,6 @@
 #!/bin/sh
-# The image's entrypoint (under tini): `aenv "$@"`, after one preparation for a node.
+# The image's entrypoint (under tini): `aenv "$@"`, after two preparations for a node:
+# the cgroup controllers handed down to sandboxes, and no OOM kill of the whole container.
 #
 # cgroup v2 and a private cgroup namespace (Docker's and containerd's default there): the
 # container's cgroup is the namespace's root and holds our own processes, and the kernel
@@ -38,7 +39,24 @@ delegate_cgroups() {
     done
 }
 
+# The kubelet (cgroup v2) may set memory.oom.group on the container's cgroup: the kernel
+# then kills every process of the container, every sandbox of the node, when it OOM-kills
+# one. Each sandbox has a memory limit of its own, and a process that outgrows the host is
+# one process to lose, not the node: turn the group kill off for the node's container.
+ungroup_oom() {
+    [ -f "$CGROUP_ROOT/cgroup.controllers" ] || return 0
+    path=$(sed -n 's/^0:://p' "$SELF_CGROUP")
+    case "$path" in
+        /aenv-init) path=/ ;;  # moved there by delegate_cgroups: the container is the root
+    esac
+    group="$CGROUP_ROOT${path%/}/memory.oom.group"
+    [ -w "$group" ] || return 0
+    echo 0 > "$group" 2>/dev/null \
+        || echo "aenv-entrypoint: cannot turn off memory.oom.group for the node" >&2
+}
+
 if [ "${1:-}" = "server" ]; then
     delegate_cgroups
+    ungroup_oom
 fi
 exec aenv "$@"

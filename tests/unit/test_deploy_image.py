@@ -116,3 +116,25 @@ def test_entrypoint_leaves_cgroups_alone_otherwise(
     root = Path(env["AENV_CGROUP_ROOT"])
     assert not (root / "aenv-init").exists()
     assert (root / "cgroup.subtree_control").read_text() == ""
+
+
+@pytest.mark.parametrize(
+    ("self_cgroup", "group"),
+    [
+        ("0::/", "memory.oom.group"),  # a private cgroup namespace: the container is the root
+        ("0::/kubepods/pod1/abc", "kubepods/pod1/abc/memory.oom.group"),  # the host's
+    ],
+)
+def test_entrypoint_turns_off_the_oom_group_kill_for_a_node(
+    tmp_path: Path, self_cgroup: str, group: str
+) -> None:
+    env = _fake_cgroup(tmp_path, v2=True, self_cgroup=self_cgroup)
+    root = Path(env["AENV_CGROUP_ROOT"])
+    path = root / group
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("1\n")
+    gateway = dict(env)
+    assert _entrypoint(gateway, "gateway") == "aenv gateway\n"
+    assert path.read_text() == "1\n"  # a gateway's container is left as it is
+    assert _entrypoint(env, "server") == "aenv server\n"
+    assert path.read_text() == "0\n"

@@ -21,10 +21,10 @@ import pytest
 import yaml
 
 from aenv.config import _SECTIONS, Settings
-from tests.kustomize import WORKLOADS, pod_specs, render
+from tests.kustomize import CLUSTER_SCOPED, WORKLOADS, pod_specs, render
 
 ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "deploy" / "kubernetes"
+K8S = ROOT / "deploy" / "kubernetes" / "base"
 COMPOSE = ROOT / "deploy" / "compose" / "docker-compose.yml"
 DOCKER = ROOT / "deploy" / "docker"
 # The oldest Kubernetes release the manifests are meant for, and the newest schemas we have.
@@ -41,7 +41,13 @@ CLUSTER_ENV = {
     "AENV_KUBERNETES_NAMESPACE",
 }
 # Not ours: the S3 credentials (read by the S3 client) and the manifests' own helpers.
-OTHER_ENV = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "POD_IP", "REDIS_PASSWORD"}
+OTHER_ENV = {
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "POD_IP",
+    "REDIS_PASSWORD",
+    "REDIS_HOST",
+}
 
 
 def _known_aenv_names() -> set[str]:
@@ -114,7 +120,7 @@ def test_everything_lands_in_one_namespace_that_admits_privileged_pods(
     ns = _one(objects, "Namespace", "aenv")
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
     for o in objects:
-        if o["kind"] != "Namespace":
+        if o["kind"] not in CLUSTER_SCOPED:
             assert o["metadata"]["namespace"] == "aenv", o["metadata"]["name"]
         assert o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "aenv"
 
@@ -161,6 +167,24 @@ def test_node_is_a_privileged_daemonset_on_the_hosts_data_dir(
     init = spec["initContainers"][0]
     assert init["args"][:2] == ["template", "build-base"] and init["image"] == node["image"]
     assert {m["mountPath"] for m in init["volumeMounts"]} >= {home, "/var/cache/aenv"}
+
+
+def test_node_pods_outrank_other_workloads_and_drain_before_they_stop(
+    objects: list[dict[str, Any]],
+) -> None:
+    spec = _one(objects, "DaemonSet", "aenv-node")["spec"]["template"]["spec"]
+    pc = _one(objects, "PriorityClass", spec["priorityClassName"])
+    # above every user workload's default (0), below the system's own classes (2e9)
+    assert 0 < pc["value"] <= 1_000_000_000 and not pc.get("globalDefault")
+    node = next(c for c in spec["containers"] if c["name"] == "node")
+    hook = " ".join(node["lifecycle"]["preStop"]["exec"]["command"])
+    listen = dict(_env_of(node, objects))["AENV_LISTEN"]
+    assert f"--url http://127.0.0.1:{listen.rsplit(':', 1)[1]}" in hook
+    assert 'node drain "$AENV_NODE_ID"' in hook and '--api-key "$AENV_API_KEY"' in hook
+    assert "AENV_API_KEY" in dict(_env_of(node, objects))  # from the Secret, for the hook
+    # the drain (a checkpoint and upload per sandbox) gets minutes before the SIGKILL
+    assert spec["terminationGracePeriodSeconds"] >= 300
+    assert "limits" not in node["resources"]  # a limit would cap every sandbox at once
 
 
 def test_node_identity_comes_from_the_downward_api(objects: list[dict[str, Any]]) -> None:
@@ -321,7 +345,9 @@ def test_redis_url_points_at_the_redis_service_with_its_password(
     for name in ("aenv-node", "aenv-gateway"):
         kind = "DaemonSet" if name == "aenv-node" else "Deployment"
         c = _one(objects, kind, name)["spec"]["template"]["spec"]["containers"][0]
-        url = urlsplit(dict(_env_of(c, objects))["AENV_REDIS_URL"])
+        env = dict(_env_of(c, objects))
+        # The kubelet expands $(REDIS_HOST), the ConfigMap's, which follows a namePrefix.
+        url = urlsplit(env["AENV_REDIS_URL"].replace("$(REDIS_HOST)", env["REDIS_HOST"]))
         assert url.scheme == "redis" and url.hostname == svc["metadata"]["name"]
         assert url.port == svc["spec"]["ports"][0]["port"]
         assert url.password == "$(REDIS_PASSWORD)"

@@ -1,9 +1,9 @@
 """Node discovery from the Kubernetes API (`AENV_DISCOVERY=kubernetes`).
 
-The nodes run as a DaemonSet behind a headless Service (`deploy/kubernetes/`); Kubernetes
+The nodes run as a DaemonSet behind a headless Service (`deploy/kubernetes/base/`); Kubernetes
 keeps that Service's EndpointSlices current (one endpoint per node pod, its pod IP, the
 Kubernetes node it runs on, and whether its readiness probe passes). A gateway lists them
-with its own service account (the Role in `deploy/kubernetes/rbac.yaml`), so it knows every
+with its own service account (the Role in `deploy/kubernetes/base/rbac.yaml`), so it knows every
 node's address even before the node has registered in Redis; the node's `AENV_NODE_ID` is
 the Kubernetes node name (`spec.nodeName`), which the endpoint carries as `nodeName`, so the
 two views join on it.
