@@ -406,6 +406,31 @@ def test_drain_moves_sandboxes_on_resume(cluster: Cluster) -> None:
     wait_until(lambda: cluster.node_status(a)[source] == "ready", 10, 0.2, "undrained")
 
 
+def test_a_stopped_node_hands_its_running_sandboxes_over(cluster: Cluster) -> None:
+    """SIGTERM (a pod deleted, `docker stop`): the node first puts its sandboxes into the
+    repository; one that was running stays running to its user, and its next command
+    through a gateway, with no resume of the SDK's, runs on another node."""
+    a = cluster.gateways[0]
+    s = cluster.create(a)
+    s.files.write("/home/user/stop.txt", "outlived its node")
+    s.commands.run("sleep 7171", background=True)
+    source = cluster.node_of(s.sandbox_id)
+    srv = cluster.nodes[source]
+    assert srv.proc is not None and srv.log_path is not None
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(240) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
+    srv.proc = None
+    log = srv.log_path.read_text(errors="replace")
+    assert f"node {source} drained at stop" in log and "stays on node" not in log
+    out = s.commands.run("cat /home/user/stop.txt; ps aux")
+    assert "outlived its node" in out.stdout and "sleep 7171" in out.stdout
+    assert cluster.node_of(s.sandbox_id) != source
+    assert Sandbox.get_info(s.sandbox_id, **a.sdk()).state.value == "running"
+    srv.start()  # back under its id: it gives up what moved while it was away
+    wait_until(lambda: cluster.node_status(a)[source] == "ready", 30, 0.3, "the node back")
+    assert cluster.node_of(s.sandbox_id) != source
+
+
 def test_a_killed_node_is_unhealthy_and_its_hibernated_sandboxes_move(cluster: Cluster) -> None:
     a, b = cluster.gateways
     # the first node to get two new sandboxes is the victim: one is hibernated there, one

@@ -17,7 +17,7 @@ from aenv.cluster.records import NodeRecord, RosterEntry
 from aenv.cluster.scheduler import LeastLoaded
 from aenv.cluster.state import ClusterState
 from aenv.config import Settings
-from aenv.errors import NotFound, Unavailable
+from aenv.errors import BadGateway, NotFound, Unavailable
 from tests.helpers import RedisServer, heard_ago, redis_server
 
 DEAD = 60.0  # seconds without a heartbeat before a node counts as lost
@@ -46,11 +46,14 @@ class Moves:
         self.released: list[tuple[str, str]] = []
         self.adopted: list[tuple[str, str, str]] = []
         self.release_answer: str | None = "img-from-release"
+        self.unreachable = False
         self.refuse_adopt_on: set[str] = set()
         self.adopt_delay = 0.0
 
     async def release(self, n: NodeRecord, sandbox_id: str) -> str | None:
         self.released.append((n.node_id, sandbox_id))
+        if self.unreachable:
+            raise BadGateway(f"node {n.node_id} is unreachable")
         return self.release_answer
 
     async def adopt(self, n: NodeRecord, sandbox_id: str, image: str) -> None:
@@ -187,3 +190,30 @@ async def test_concurrent_requests_move_a_sandbox_once(redis: RedisServer, tmp_p
         )
         assert {t.node_id for t in targets} == {"b"}
         assert moves.adopted == [("b", "s1", "img-s1")]
+
+
+@pytest.mark.parametrize("movable", [True, False])
+async def test_a_node_gone_after_its_drain_is_taken_at_its_roster(
+    redis: RedisServer, tmp_path: Path, movable: bool
+) -> None:
+    """A node stopped (drained at SIGTERM) before its heartbeats ran out: the release finds
+    no one; what its last heartbeat said went into the repository moves, the rest is 502."""
+    async with directory(redis, tmp_path) as (state, d):
+        entry = (
+            RosterEntry(state="paused", tier="hibernated", image="img-s1", template_id="base")
+            if movable
+            else RosterEntry(state="running")
+        )
+        await state.heartbeat(node("a", status="draining"), {"s1": entry}, None)
+        await state.heartbeat(node("b"), {}, None)
+        moves = Moves()
+        moves.unreachable = True
+        if not movable:
+            with pytest.raises(BadGateway, match="unreachable"):
+                await d.usable("s1", moves.release, moves.adopt, resume=True)
+            assert moves.adopted == []
+            return
+        target = await d.usable("s1", moves.release, moves.adopt, resume=True)
+        assert target.node_id == "b" and moves.released == [("a", "s1")]
+        assert moves.adopted == [("b", "s1", "img-s1")]
+        assert await state.binding("s1") == "b"

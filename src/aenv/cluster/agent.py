@@ -74,7 +74,32 @@ class NodeAgent:
                 await self._task
         with contextlib.suppress(Exception):
             await self.beat(status="draining")  # going away: no new creates meanwhile
+        if self.settings.drain_on_stop and self.orch.templates.has_repository:
+            await self._drain_on_stop()
         await self.state.close()
+
+    async def _drain_on_stop(self) -> None:
+        """Moves every sandbox into the repository, then says so in one last heartbeat:
+        gateways move each to another node at its next request (a container's stop would
+        end them all otherwise)."""
+        started = time.monotonic()
+        try:
+            done = await self.orch.mover.drain()
+        except Exception:
+            log.exception("draining node %s at stop failed", self.node_id)
+            return
+        failed = [d for d in done if not d.published]
+        for d in failed:
+            log.warning("sandbox %s stays on node %s: %s", d.sandbox_id, self.node_id, d.error)
+        log.info(
+            "node %s drained at stop: %d of %d sandboxes in the repository (%.1f s)",
+            self.node_id,
+            len(done) - len(failed),
+            len(done),
+            time.monotonic() - started,
+        )
+        with contextlib.suppress(Exception):
+            await self.beat(status="draining")
 
     async def _loop(self) -> None:
         while True:

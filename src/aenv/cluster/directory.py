@@ -170,7 +170,14 @@ class Directory:
         if node.healthy:
             # Draining: the node itself says whether the sandbox can move (its roster in
             # Redis may be a heartbeat behind the drain).
-            image = await release(node, sandbox_id) if targets else None
+            try:
+                image = await release(node, sandbox_id) if targets else None
+            except BadGateway:
+                # It stopped answering before its heartbeats ran out (a node stopping after
+                # its drain): the roster says whether the sandbox went into the repository.
+                if entry is None or not entry.movable or entry.image is None:
+                    raise
+                image = entry.image
             if image is None:
                 return node  # it cannot move (or nowhere to): it resumes where it is
         elif entry is None or not entry.movable or entry.image is None:

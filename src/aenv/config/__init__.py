@@ -176,6 +176,10 @@ class Settings(BaseSettings):
     # Where gateways reach this node (default: http://<host address>:<port>).
     advertise_url: str | None = None
     heartbeat_seconds: float = 2.0
+    # A node that stops (SIGTERM: a pod's deletion, `docker stop`) first moves every sandbox
+    # into the shared repository, so each resumes on another node at its next request
+    # instead of dying with the container. Only with a repository (`snapshot_repo`).
+    drain_on_stop: bool = True
     # A gateway marks a node unhealthy this long after its last heartbeat.
     node_dead_after: float = 6.0
     # Where a gateway learns node addresses: their Redis registrations, or also the

@@ -102,7 +102,11 @@ class Mover:
             await self.templates.ensure_layers(rec)
             paused_at = r.paused.paused_at if r.paused is not None else self.ctx.now()
             r.state = SandboxState.PAUSED
-            r.paused = PausedState(PauseTier.HIBERNATED, paused_at, image=image, published=True)
+            # One that was running when its node drained stays running to its user here.
+            standby = r.paused is not None and r.paused.standby
+            r.paused = PausedState(
+                PauseTier.HIBERNATED, paused_at, image=image, published=True, standby=standby
+            )
             r.layers = list(rec.layers)
             r.instance = None
             r.pending = None

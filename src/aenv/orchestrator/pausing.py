@@ -285,6 +285,11 @@ class Pauser:
         if r.state is SandboxState.RUNNING:
             await self._pause(sandbox_id)
             r = self.table.get(sandbox_id)
+            # Moving is the operator's doing, not its user's: it stays running to its user
+            # (in standby), and its next request anywhere restores it.
+            if r.paused is not None:
+                r.paused = replace(r.paused, standby=True)
+                await self.table.save(r)
         if r.state is SandboxState.PAUSED and r.tier is PauseTier.FROZEN:
             await self._hibernate(sandbox_id)
             r = self.table.get(sandbox_id)
