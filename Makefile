@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.aenv-installed
 export AENV_HOME ?= /var/lib/aenv
 
-.PHONY: install system venv console base code-interpreter run test test-unit test-integration lint contracts bench soak proto clean
+.PHONY: install system venv console base code-interpreter run test test-unit test-integration lint contracts bench soak proto clean image lock compose-test
 
 install: system venv console base
 
@@ -73,6 +73,31 @@ MINUTES ?= 30
 AT_ONCE ?= 8
 soak: install
 	$(BIN)/python -m bench.soak --minutes $(MINUTES) --at-once $(AT_ONCE)
+
+# The container images (deploy/docker/Dockerfile), tagged with the project's version:
+# aenv:VERSION (the node) and aenv-gateway:VERSION. BASE_IMAGE and DEBIAN_MIRROR pass on.
+VERSION = $(shell git describe --tags --always --dirty 2>/dev/null | sed 's/^v//')
+IMAGE_ARGS = --build-arg AENV_VERSION=$(VERSION) \
+	$(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE),) \
+	$(if $(DEBIAN_MIRROR),--build-arg DEBIAN_MIRROR=$(DEBIAN_MIRROR),) \
+	$(if $(wildcard /etc/ssl/certs/ca-certificates.crt),--secret id=ca,src=/etc/ssl/certs/ca-certificates.crt,)
+image:
+	@scripts/install-docker.sh
+	DOCKER_BUILDKIT=1 /usr/bin/docker build -f deploy/docker/Dockerfile --target node $(IMAGE_ARGS) -t aenv:$(VERSION) -t aenv:latest .
+	DOCKER_BUILDKIT=1 /usr/bin/docker build -f deploy/docker/Dockerfile --target gateway $(IMAGE_ARGS) -t aenv-gateway:$(VERSION) -t aenv-gateway:latest .
+
+# The image's Python packages, pinned with hashes (deploy/docker/requirements.lock), from
+# pyproject.toml: run after changing a dependency (a unit test says when it is due).
+lock: venv
+	@$(BIN)/python -m uv --version >/dev/null 2>&1 || $(BIN)/pip install -q uv
+	$(BIN)/python -m uv pip compile pyproject.toml --universal --python-version 3.11 \
+		--generate-hashes --no-header -q -o deploy/docker/requirements.lock
+
+# The compose deployment for real: images built with Debian's Docker engine, the cluster
+# of deploy/compose up, the stock SDK through a gateway, a node restarted (tests/deploy/).
+compose-test: install
+	@scripts/install-docker.sh
+	AENV_COMPOSE_TEST=1 $(BIN)/python -m pytest -q -rs -s --timeout=3600 tests/deploy
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -26,21 +27,53 @@ def _instructions(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def test_dockerfile_installs_runsc_from_backports_and_runs_aenv() -> None:
-    steps = _instructions((DOCKER / "Dockerfile").read_text())
-    froms = [rest for op, rest in steps if op == "FROM"]
-    # A build stage installs the console's pinned packages; the image itself has no Node.
-    assert froms == ["debian:bookworm-slim AS console", "debian:bookworm-slim"]
-    console_copy = [rest for op, rest in steps if op == "COPY" and rest.startswith("--from=")]
-    assert console_copy == ["--from=console /console/node_modules ./src/aenv/console/node_modules"]
-    assert any("npm ci" in rest for op, rest in steps if op == "RUN")
-    runs = " ".join(rest for op, rest in steps if op == "RUN")
-    assert re.search(r"-t bookworm-backports\s+runsc", runs)
-    for pkg in ("iproute2", "iptables", "nftables", "e2fsprogs", "python3-venv", "debootstrap"):
-        assert re.search(rf"\b{pkg}\b", runs), pkg
-    assert ("CMD", '["server"]') in steps
-    entry = next(rest for op, rest in steps if op == "ENTRYPOINT")
+def _stages(steps: list[tuple[str, str]]) -> dict[str, list[tuple[str, str]]]:
+    """The Dockerfile's instructions by stage name (`FROM x AS name`)."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
+    for op, rest in steps:
+        if op == "FROM":
+            current = out.setdefault(rest.split()[-1], [])
+        current.append((op, rest))
+    return out
+
+
+def _runs(stage: list[tuple[str, str]]) -> str:
+    return " ".join(rest for op, rest in stage if op == "RUN")
+
+
+def test_dockerfile_builds_anywhere_and_keeps_build_tools_out_of_the_images() -> None:
+    text = (DOCKER / "Dockerfile").read_text()
+    steps = _instructions(text)
+    stages = _stages(steps)
+    assert list(stages) == ["debian", "build", "gateway", "node"]  # node: the default target
+    # The base image and the Debian archive are the builder's to choose (no Docker Hub).
+    assert steps[0] == ("ARG", "BASE_IMAGE=debian:bookworm-slim")
+    assert stages["debian"][0] == ("FROM", "${BASE_IMAGE} AS debian")
+    assert "ARG DEBIAN_MIRROR=" in text and '"URIs: ${DEBIAN_MIRROR}"' in text
+    for name in ("build", "gateway", "node"):
+        assert stages[name][0][1].startswith("debian AS ")
+    # Python packages pinned, with hashes, by the lock; the console's by its package-lock.
+    build = _runs(stages["build"])
+    assert "--require-hashes" in build and "-r /tmp/requirements.lock" in build
+    assert "npm ci" in build and re.search(r"\bgcc\b", build)
+    for image in ("gateway", "node"):
+        runs = _runs(stages[image])
+        for tool in ("gcc", "libc6-dev", "npm", "nodejs", "python3-venv"):
+            assert not re.search(rf"\b{tool}\b", runs), (image, tool)
+        assert ("COPY", "--from=build /opt/aenv /opt/aenv") in stages[image]
+    node = _runs(stages["node"])
+    assert re.search(r"-t bookworm-backports\s+runsc", node)
+    for pkg in ("iproute2", "iptables", "nftables", "e2fsprogs", "debootstrap", "tini"):
+        assert re.search(rf"\b{pkg}\b", node), pkg
+    assert ("CMD", '["server"]') in stages["node"]
+    entry = next(rest for op, rest in stages["node"] if op == "ENTRYPOINT")
     assert entry == '["/usr/bin/tini", "--", "/usr/local/bin/aenv-entrypoint"]'
+    # The gateway: no sandbox tooling, and not root.
+    gateway = _runs(stages["gateway"])
+    assert "runsc" not in gateway and "iptables" not in gateway
+    assert ("USER", "10001:10001") in stages["gateway"]
+    assert ("CMD", '["gateway"]') in stages["gateway"]
     # What it copies exists and is let through .dockerignore's allowlist.
     allowed = [
         line[1:].rstrip("/")
@@ -53,6 +86,26 @@ def test_dockerfile_installs_runsc_from_backports_and_runs_aenv() -> None:
                 assert (ROOT / src).exists(), src
                 assert any(src.rstrip("/") == a or src.startswith(a + "/") for a in allowed), src
     assert os.access(DOCKER / "entrypoint.sh", os.X_OK)
+
+
+def test_the_lock_pins_every_dependency_with_hashes() -> None:
+    lock = (DOCKER / "requirements.lock").read_text()
+    pinned = {
+        m.group(1).lower().replace("_", "-")
+        for m in re.finditer(r"^([A-Za-z0-9_.-]+)==\S+", lock, re.MULTILINE)
+    }
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = list(project["dependencies"]) + list(
+        project.get("optional-dependencies", {}).get("server", [])
+    )
+    for req in wanted:
+        name = re.split(r"[\[<>=!~; ]", req, maxsplit=1)[0].lower().replace("_", "-")
+        assert name in pinned, f"{name} is not in deploy/docker/requirements.lock (make lock)"
+    # every pin carries hashes (pip's --require-hashes refuses the lock otherwise)
+    entries = re.split(r"\n(?=[A-Za-z0-9])", lock)
+    for entry in entries:
+        if re.match(r"[A-Za-z0-9_.-]+==", entry):
+            assert "--hash=sha256:" in entry, entry.splitlines()[0]
 
 
 def _fake_cgroup(tmp_path: Path, *, v2: bool, self_cgroup: str) -> dict[str, str]:

@@ -175,6 +175,10 @@ def build_spawn_lib(source: Path, out: Path) -> None:
     """Compiles `spawn.c` (envd vforks every command through it). Without a C compiler envd
     still works: subprocess forks envd instead, 20-40 ms slower per command that changes
     user or takes a terminal."""
+    prebuilt = source.with_name(SPAWN_LIB)
+    if prebuilt.is_file():  # compiled where the package was installed (the node's image)
+        shutil.copy2(prebuilt, out)
+        return
     cc = shutil.which("cc") or shutil.which("gcc")
     if not source.is_file() or cc is None:
         log.warning("envd bundle without %s: no C compiler (commands start slower)", SPAWN_LIB)
