@@ -90,7 +90,7 @@ image:
 # pyproject.toml: run after changing a dependency (a unit test says when it is due).
 lock: venv
 	@$(BIN)/python -m uv --version >/dev/null 2>&1 || $(BIN)/pip install -q uv
-	$(BIN)/python -m uv pip compile pyproject.toml --universal --python-version 3.11 \
+	$(BIN)/python -m uv pip compile pyproject.toml deploy/docker/build-system.in --universal --python-version 3.11 \
 		--generate-hashes --no-header -q -o deploy/docker/requirements.lock
 
 # The compose deployment for real: images built with Debian's Docker engine, the cluster

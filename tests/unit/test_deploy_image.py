@@ -94,9 +94,16 @@ def test_the_lock_pins_every_dependency_with_hashes() -> None:
         m.group(1).lower().replace("_", "-")
         for m in re.finditer(r"^([A-Za-z0-9_.-]+)==\S+", lock, re.MULTILINE)
     }
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = list(project["dependencies"]) + list(
-        project.get("optional-dependencies", {}).get("server", [])
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project = pyproject["project"]
+    build = pyproject["build-system"]["requires"]
+    # the image builds the project without build isolation, from the lock's own tools
+    listed = (DOCKER / "build-system.in").read_text().split("\n")
+    assert sorted(build) == sorted(x for x in listed if x and not x.startswith("#"))
+    wanted = (
+        list(project["dependencies"])
+        + list(project.get("optional-dependencies", {}).get("server", []))
+        + list(build)
     )
     for req in wanted:
         name = re.split(r"[\[<>=!~; ]", req, maxsplit=1)[0].lower().replace("_", "-")
