@@ -2,6 +2,9 @@
 # the compose file expects of motoserver/moto.
 ARG BASE_IMAGE
 FROM ${BASE_IMAGE}
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3-venv \
+    && rm -rf /var/lib/apt/lists/*
 RUN --mount=type=secret,id=ca,required=false \
     if [ -f /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
     && python3 -m venv /opt/moto \
