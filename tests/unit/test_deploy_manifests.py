@@ -197,7 +197,11 @@ def test_node_identity_comes_from_the_downward_api(objects: list[dict[str, Any]]
     assert url.hostname == "$(pod_ip)"  # urlsplit lower-cases hosts
     listen_port = int(dict(_env_of(node, objects))["AENV_LISTEN"].rsplit(":", 1)[1])
     assert url.port == listen_port
-    assert {p["containerPort"] for p in node["ports"]} == {listen_port}
+    ports = {p["name"]: p["containerPort"] for p in node["ports"]}
+    assert ports["http"] == listen_port
+    # the keyless metrics listener, on the port the PodMonitors and the policy name
+    metrics = dict(_env_of(node, objects))["AENV_METRICS_LISTEN"]
+    assert ports["metrics"] == int(metrics.rsplit(":", 1)[1])
 
 
 def test_variable_references_name_variables_defined_before_them(
@@ -334,6 +338,14 @@ def test_network_policies_admit_exactly_the_intended_callers(
         "aenv-redis": {"aenv-node", "aenv-gateway"},
         "aenv-node": {"aenv-gateway"},
     }
+    # and the nodes' metrics port to the cluster's Prometheus, in its own namespace only
+    node_policy = next(
+        o for o in objects if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "aenv-node"
+    )
+    by_port = {r["ports"][0]["port"]: r["from"] for r in node_policy["spec"]["ingress"]}
+    (prometheus,) = by_port[9464]
+    assert prometheus["namespaceSelector"]["matchLabels"]
+    assert prometheus["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "prometheus"
 
 
 def test_redis_url_points_at_the_redis_service_with_its_password(

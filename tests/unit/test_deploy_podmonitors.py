@@ -1,4 +1,4 @@
-"""deploy/kubernetes/servicemonitor.yaml, applied on its own where the Prometheus Operator
+"""deploy/kubernetes/monitoring/podmonitors.yaml, applied on its own where the Prometheus Operator
 runs: one PodMonitor each for the nodes and the gateways, each selecting exactly the pods of
 its workload in the kustomization, scraping `/metrics` on a port named `metrics`."""
 
@@ -12,6 +12,7 @@ import yaml
 from tests.kustomize import WORKLOADS, render
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+BASE = K8S / "base"
 
 
 def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -20,10 +21,10 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 
 def test_each_podmonitor_selects_exactly_its_workloads_pods() -> None:
-    monitors = list(yaml.safe_load_all((K8S / "servicemonitor.yaml").read_text()))
+    monitors = list(yaml.safe_load_all((K8S / "monitoring" / "podmonitors.yaml").read_text()))
     pods = {
         o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"]
-        for o in render(K8S)
+        for o in render(BASE)
         if o["kind"] in WORKLOADS
     }
     scraped: dict[str, set[str]] = {}
