@@ -126,6 +126,7 @@ class Deployment:
     env: dict[str, str]
     key: str
     gateways: tuple[str, str]
+    metrics: dict[str, int]
     overrides: tuple[str, ...] = ("compose.cache.yml",)
 
     def compose(self, *args: str, timeout: float = 900) -> str:
@@ -168,6 +169,12 @@ class Deployment:
 def deployment(images: dict[str, float]) -> Iterator[Deployment]:
     key = "e2b_" + secrets.token_hex(20)
     ports = (free_port(), free_port())
+    metrics = {
+        "METRICS_PORT_NODE_1": free_port(),
+        "METRICS_PORT_NODE_2": free_port(),
+        "METRICS_PORT_GATEWAY_1": free_port(),
+        "METRICS_PORT_GATEWAY_2": free_port(),
+    }
     env = {
         **os.environ,
         "AENV_IMAGE": IMAGES["node"],
@@ -178,9 +185,10 @@ def deployment(images: dict[str, float]) -> Iterator[Deployment]:
         "REDIS_PASSWORD": secrets.token_hex(16),
         "GATEWAY_PORT_1": str(ports[0]),
         "GATEWAY_PORT_2": str(ports[1]),
+        **{k: str(v) for k, v in metrics.items()},
     }
     urls = (f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}")
-    d = Deployment(f"aenvct{os.getpid()}", env, key, urls)
+    d = Deployment(f"aenvct{os.getpid()}", env, key, urls, metrics)
     if not _privileged_works():
         print("privileged containers are refused here: the nodes run without CAP_SYS_RESOURCE")
         d.overrides += ("compose.nopriv.yml",)
@@ -250,3 +258,58 @@ def test_a_node_restart_drains_and_its_sandboxes_go_on(deployment: Deployment) -
         for s in made:
             with contextlib.suppress(Exception):
                 s.kill()
+
+
+def _query(prom: str, expr: str) -> dict[str, float]:
+    r = httpx.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=10)
+    r.raise_for_status()
+    return {s["metric"].get("job", ""): float(s["value"][1]) for s in r.json()["data"]["result"]}
+
+
+def test_prometheus_scrapes_the_gateways_and_the_nodes(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """Debian's Prometheus, as an operator would point it at the published metrics ports."""
+    nodes = [f"127.0.0.1:{p}" for k, p in deployment.metrics.items() if "NODE" in k]
+    gateways = [f"127.0.0.1:{p}" for k, p in deployment.metrics.items() if "GATEWAY" in k]
+    config = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+        "scrape_configs": [
+            {"job_name": "aenv-node", "static_configs": [{"targets": nodes}]},
+            {"job_name": "aenv-gateway", "static_configs": [{"targets": gateways}]},
+        ],
+    }
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+    port = free_port()
+    prom = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "prometheus.log").open("wb")
+    proc = subprocess.Popen(
+        [
+            "/usr/bin/prometheus",
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        # a request through a gateway, to be counted
+        httpx.get(f"{deployment.gateways[0]}/sandboxes", headers={"X-API-Key": deployment.key})
+
+        def counted() -> bool:
+            try:
+                return _query(prom, "count by (job) (aenv_build_info)") == {
+                    "aenv-node": 2.0,
+                    "aenv-gateway": 2.0,
+                }
+            except httpx.HTTPError:
+                return False
+
+        wait_until(counted, 90, 1, "Prometheus to see both nodes and both gateways")
+        requests = _query(prom, 'sum by (job) (aenv_http_requests_total{route="/sandboxes"})')
+        assert requests.get("aenv-gateway", 0) >= 1 and requests.get("aenv-node", 0) >= 1
+        assert _query(prom, 'aenv_gateway_nodes{status="ready"}')  # the gateways' own series
+    finally:
+        proc.terminate()
+        proc.wait(30)
