@@ -1,11 +1,19 @@
 """A sandbox's egress policy (E2B's `network` settings): allowed and denied addresses and
-domains, validated once. A leaf module: no I/O, no imports from the rest of aenv."""
+domains, and per-host header transforms (`rules`) whose values may name secrets as
+`${e2b.secrets.NAME}`, validated once. A leaf module: no I/O, no imports from the rest of
+aenv."""
 
 from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+# A header transform's values: the literal text with placeholders still in it.
+HeaderMap = dict[str, str]
+# (owner, secret name) → the secret's value, or None when the owner has no such secret.
+SecretLookup = Callable[[str | None, str], str | None]
 
 
 @dataclass
@@ -32,11 +40,61 @@ class EgressPolicy:
     deny_out: list[str] = field(default_factory=list)
     # DNS servers kept reachable when `allow_out` has a domain (None: the default).
     dns_servers: list[str] | None = None
+    # E2B's `network.rules`: host pattern (a domain, `*.domain`) → the headers of each of
+    # its rules' `transform`, in order ({} for a rule without one). A matching HTTP or HTTPS
+    # request gets them, replacing its own of the same name; placeholders are resolved at
+    # egress only (`resolve_placeholders`). A host here is not allowed by it (`allow_out`
+    # decides); hosts without rules are never intercepted.
+    rules: dict[str, list[HeaderMap]] = field(default_factory=dict)
+    # Whose secrets the placeholders name: the API key that created the sandbox (None:
+    # AENV_API_KEY).
+    owner: str | None = None
 
     @property
     def is_open(self) -> bool:
         """Nothing beyond the node's fixed denies (the default: no rules to install)."""
-        return self.allow_internet and not self.allow_out and not self.deny_out
+        return (
+            self.allow_internet and not self.allow_out and not self.deny_out and not self.intercepts
+        )
+
+    @property
+    def intercepts(self) -> bool:
+        """Some host has a header transform: its traffic goes through the egress proxy,
+        which terminates TLS for it."""
+        return any(h for rules in self.rules.values() for h in rules)
+
+    @property
+    def proxied(self) -> bool:
+        """Ports 80 and 443 go through the egress proxy (domain entries or transforms)."""
+        return self.has_domains or self.intercepts
+
+    def headers_for(self, name: str | None) -> HeaderMap | None:
+        """The headers to set on a request to host `name` (lower case), placeholders still
+        in them; None when no rule's host matches (the connection is not intercepted).
+        Rules of wildcard patterns apply first, those of the exact name last (they win)."""
+        if not name or not self.intercepts:
+            return None
+        hit = sorted((p for p in self.rules if domain_matches(p, name)), key=_exact_last)
+        if not hit:
+            return None
+        out: HeaderMap = {}
+        for pattern in hit:
+            for headers in self.rules[pattern]:
+                for key, value in headers.items():
+                    for old in [k for k in out if k.lower() == key.lower()]:
+                        del out[old]
+                    out[key] = value
+        return out
+
+    def secret_names(self) -> set[str]:
+        """The secrets the rules' placeholders name (canonical: lower case)."""
+        return {
+            n
+            for rules in self.rules.values()
+            for headers in rules
+            for value in headers.values()
+            for n in placeholder_names(value)
+        }
 
     def normalized(self) -> EgressPolicy:
         """The same policy with every address entry as a CIDR block (`8.8.8.8` →
@@ -49,6 +107,8 @@ class EgressPolicy:
             dns_servers=None
             if self.dns_servers is None
             else [str(_address(e, "dnsServers")) for e in self.dns_servers],
+            rules=_rules(self.rules),
+            owner=self.owner,
         )
 
     # Views of a normalized policy.
@@ -99,6 +159,68 @@ class EgressPolicy:
         if name and any(domain_matches(d, name) for d in self.deny_domains):
             return False
         return self.allow_internet
+
+
+# `${e2b.secrets.NAME}` (E2B's `Secret.fill`): a name is anything but braces and control
+# characters; secrets are looked up by their canonical (lower-case) name.
+PLACEHOLDER = re.compile(r"\$\{e2b\.secrets\.([^{}\x00-\x1f\x7f]+)\}")
+# RFC 9110 field names; values without CR, LF or NUL (no header can be smuggled in).
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,256}")
+_BAD_VALUE = re.compile(r"[\r\n\x00]")
+MAX_RULE_HOSTS = 100
+MAX_HEADERS = 64
+
+
+class UnknownSecret(LookupError):
+    """A placeholder names a secret its owner does not have."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def placeholder_names(value: str) -> list[str]:
+    return [m.group(1).lower() for m in PLACEHOLDER.finditer(value)]
+
+
+def resolve_placeholders(value: str, owner: str | None, lookup: SecretLookup) -> str:
+    """`value` with every `${e2b.secrets.NAME}` replaced by the owner's secret; UnknownSecret
+    for a name the owner has no secret of. Called at egress only, per request."""
+
+    def one(m: re.Match[str]) -> str:
+        found = lookup(owner, m.group(1).lower())
+        if found is None:
+            raise UnknownSecret(m.group(1).lower())
+        return found
+
+    return PLACEHOLDER.sub(one, value)
+
+
+def _exact_last(pattern: str) -> tuple[bool, int]:
+    return (not pattern.startswith("*."), len(pattern))
+
+
+def _rules(rules: dict[str, list[HeaderMap]]) -> dict[str, list[HeaderMap]]:
+    if len(rules) > MAX_RULE_HOSTS:
+        raise ValueError(f"rules: at most {MAX_RULE_HOSTS} hosts")
+    out: dict[str, list[HeaderMap]] = {}
+    for host, host_rules in rules.items():
+        domain = _domain(host.strip())
+        if domain is None:
+            raise ValueError(f"rules: {host!r} is not a domain name")
+        out.setdefault(domain, []).extend(_headers(h, domain) for h in host_rules)
+    return out
+
+
+def _headers(headers: HeaderMap, host: str) -> HeaderMap:
+    if len(headers) > MAX_HEADERS:
+        raise ValueError(f"rules[{host!r}]: at most {MAX_HEADERS} headers in a transform")
+    for key, value in headers.items():
+        if not _HEADER_NAME.fullmatch(key):
+            raise ValueError(f"rules[{host!r}]: {key!r} is not an HTTP header name")
+        if _BAD_VALUE.search(value):
+            raise ValueError(f"rules[{host!r}]: header {key!r} has a line break or NUL")
+    return dict(headers)
 
 
 # E2B keeps its default nameserver reachable whenever a domain rule is used.

@@ -46,6 +46,7 @@ from .runtime.base import Runtime
 from .runtime.bundle_build import ensure_bundle
 from .runtime.select import make_runtime
 from .runtime.storage.cowpool import open_pool
+from .secretstore import SecretStore
 from .serving import Part, QuietServer, check_tls, lifespan_of, uvicorn_config
 from .snapshots import SnapshotStore, open_repository
 from .telemetry import HttpMetricsMiddleware, MetricsListener
@@ -104,13 +105,17 @@ def node_app(settings: Settings, orchestrator: Orchestrator | None = None) -> AS
     orch = orchestrator if orchestrator is not None else build_orchestrator(settings)
     keys = KeyStore.of(settings)
     orch.table.quotas = keys.quota_of  # what each API key's sandboxes may hold
+    secrets = SecretStore.of(settings)
+    orch.use_secrets(secrets.lookup)  # read by the egress proxy only
     builder = Builder(settings, orch)
     parts: list[Part] = [_KeyBootstrap(settings, keys), orch, builder]
     if settings.redis_url:
         parts.append(NodeAgent(settings, orch, ClusterState(settings.redis_url)))
     if settings.metrics_listen:
         parts.append(MetricsListener(settings.metrics_listen, orch.stats.exposition))
-    app = create_app(settings, orch, keys=keys, builder=builder, lifespan=lifespan_of(*parts))
+    app = create_app(
+        settings, orch, keys=keys, builder=builder, secrets=secrets, lifespan=lifespan_of(*parts)
+    )
     # Outside the data-plane router: sandbox traffic is counted too (as `data-plane`).
     return HttpMetricsMiddleware(app, orch.stats.http)
 

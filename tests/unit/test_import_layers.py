@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the in-sandbox code interpreter.
     ("orchestrator", "proxy", "console", "codeinterp"),
     # What the orchestrator drives.
-    ("runtime", "snapshots", "volumes", "keys"),
+    ("runtime", "snapshots", "volumes", "keys", "secretstore"),
     ("images", "envd"),
     # Shared by everything above: settings, records, errors and small helpers.
     (

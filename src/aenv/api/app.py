@@ -17,6 +17,7 @@ from aenv.console import install_console
 from aenv.keys import KeyStore
 from aenv.orchestrator import Orchestrator
 from aenv.proxy.dispatch import SandboxRouter
+from aenv.secretstore import SecretStore
 from aenv.serving import Lifespan
 
 from .errors import install_error_handlers
@@ -35,6 +36,7 @@ from .routes import (
     tags,
     volumes,
 )
+from .routes import secrets as secrets_routes
 
 
 def create_control_app(
@@ -43,6 +45,7 @@ def create_control_app(
     *,
     keys: KeyStore,
     builder: Builder,
+    secrets: SecretStore,
     lifespan: Lifespan | None = None,
 ) -> FastAPI:
     """The E2B control plane alone (no data-plane routing) over the node's parts;
@@ -61,6 +64,7 @@ def create_control_app(
     app.state.orchestrator = orchestrator
     app.state.idempotency = IdempotencyCache()
     app.state.api_keys = keys
+    app.state.secrets = secrets
     install_error_handlers(app)
     # Build contexts and volume files stream to disk; every other body is small JSON.
     app.add_middleware(
@@ -79,6 +83,7 @@ def create_control_app(
     app.include_router(snapshots.router)
     app.include_router(volumes.router)
     app.include_router(volumes.content_router)
+    app.include_router(secrets_routes.router)
     app.include_router(cluster.router)
     install_console(app)  # the web console at /console/ (public page, API calls keyed)
     return app
@@ -90,11 +95,12 @@ def create_app(
     *,
     keys: KeyStore,
     builder: Builder,
+    secrets: SecretStore,
     lifespan: Lifespan | None = None,
 ) -> ASGIApp:
     """The node's single ASGI app: data plane in front of the control plane."""
     control = create_control_app(
-        settings, orchestrator, keys=keys, builder=builder, lifespan=lifespan
+        settings, orchestrator, keys=keys, builder=builder, secrets=secrets, lifespan=lifespan
     )
     router = SandboxRouter(
         control,

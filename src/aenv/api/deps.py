@@ -8,6 +8,7 @@ from fastapi import Depends, Request
 
 from aenv.config import Settings
 from aenv.orchestrator import Orchestrator
+from aenv.secretstore import SecretStore
 
 from .idempotency import IdempotencyCache
 
@@ -27,6 +28,12 @@ def get_idempotency(request: Request) -> IdempotencyCache:
     return cache
 
 
+def get_secrets(request: Request) -> SecretStore:
+    store: SecretStore = request.app.state.secrets
+    return store
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 OrchestratorDep = Annotated[Orchestrator, Depends(get_orchestrator)]
 IdempotencyDep = Annotated[IdempotencyCache, Depends(get_idempotency)]
+SecretsDep = Annotated[SecretStore, Depends(get_secrets)]

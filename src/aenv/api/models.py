@@ -22,6 +22,7 @@ from pydantic import (
 from aenv.domain import DEFAULT_TEMPLATE, CreateRequest, EgressPolicy, MountRequest, SandboxRecord
 from aenv.domain import SandboxState as State
 from aenv.errors import BadRequest
+from aenv.secretstore import SecretStore
 
 from .inputs import EnvVars, Metadata
 
@@ -59,6 +60,19 @@ class AutoResume(_Request):
     enabled: bool = False
 
 
+class NetworkTransform(_Request):
+    """E2B's SandboxNetworkTransform: headers set on matching requests (values may hold
+    `${e2b.secrets.NAME}`, resolved at egress only)."""
+
+    headers: dict[str, str] | None = Field(default=None, max_length=64)
+
+
+class NetworkRule(_Request):
+    """E2B's SandboxNetworkRule."""
+
+    transform: NetworkTransform | None = None
+
+
 class EgressRules(_Request):
     """The egress part of E2B's SandboxNetworkConfig / SandboxNetworkUpdateConfig."""
 
@@ -67,23 +81,38 @@ class EgressRules(_Request):
     dns_servers: list[str] | None = Field(default=None, alias="dnsServers", max_length=16)
     # Not supported yet: refused when set rather than silently dropped.
     egress_proxy: dict[str, Any] | None = Field(default=None, alias="egressProxy")
-    rules: dict[str, Any] | None = None
+    # Per-host header transforms: host (a domain, `*.domain`) → its rules.
+    rules: dict[str, list[NetworkRule]] | None = Field(default=None, max_length=100)
 
-    def policy(self, allow_internet_access: bool | None) -> EgressPolicy:
-        """The validated policy (BadRequest naming the first bad entry)."""
+    def policy(self, allow_internet_access: bool | None, owner: str | None = None) -> EgressPolicy:
+        """The validated policy (BadRequest naming the first bad entry); `owner`: whose
+        secrets its placeholders name."""
         if self.egress_proxy:
             raise BadRequest("network.egressProxy is not supported by this server")
-        if self.rules:
-            raise BadRequest("network.rules (per-host transforms) are not supported by this server")
+        rules = {
+            host: [dict(r.transform.headers or {}) if r.transform else {} for r in host_rules]
+            for host, host_rules in (self.rules or {}).items()
+        }
         try:
             return EgressPolicy(
                 allow_internet=allow_internet_access is not False,
                 allow_out=list(self.allow_out or []),
                 deny_out=list(self.deny_out or []),
                 dns_servers=None if self.dns_servers is None else list(self.dns_servers),
+                rules=rules,
+                owner=owner,
             ).normalized()
         except ValueError as e:
             raise BadRequest(f"invalid network rule: {e}") from None
+
+
+def check_secrets(policy: EgressPolicy, secrets: SecretStore) -> None:
+    """BadRequest when a placeholder of the rules names a secret its owner does not have
+    (E2B's 400): a typo is told at create, not as a failed request later."""
+    missing = secrets.missing(policy.owner, policy.secret_names())
+    if missing:
+        names = ", ".join(repr(n) for n in missing)
+        raise BadRequest(f"network.rules: no secret named {names} (see /secrets)")
 
 
 class NetworkConfig(EgressRules):
@@ -147,7 +176,7 @@ class SandboxOptions(_Request):
             auto_pause=bool(self.auto_pause),
             auto_pause_memory=self.auto_pause_memory is not False,
             auto_resume=bool(self.auto_resume and self.auto_resume.enabled),
-            egress=network.policy(self.allow_internet_access),
+            egress=network.policy(self.allow_internet_access, owner),
             public_traffic=network.allow_public_traffic is not False,
             mask_request_host=network.mask_request_host or None,
             volume_mounts=[
@@ -338,15 +367,22 @@ class NetworkInfo(_Response):
     # Left out when not set (E2B: missing means the default, 8.8.8.8).
     dns_servers: list[str] | None = Field(default=None, alias="dnsServers")
     mask_request_host: str | None = Field(default=None, alias="maskRequestHost")
+    # As given (placeholders, never a secret's value); left out when there are none.
+    rules: dict[str, list[dict[str, Any]]] | None = None
 
     @classmethod
     def of(cls, r: SandboxRecord) -> NetworkInfo:
+        rules = {
+            host: [{"transform": {"headers": dict(h)}} if h else {} for h in host_rules]
+            for host, host_rules in r.egress.rules.items()
+        }
         return cls(
             allowPublicTraffic=not r.traffic_access_token,
             allowOut=list(r.egress.allow_out),
             denyOut=list(r.egress.deny_out),
             dnsServers=None if r.egress.dns_servers is None else list(r.egress.dns_servers),
             maskRequestHost=r.mask_request_host,
+            rules=rules or None,
         )
 
 

@@ -25,7 +25,7 @@ from functools import cache, cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -164,6 +164,13 @@ class Settings(BaseSettings):
     # files, nothing about them elsewhere, so it may be a file system nodes share (NFS...).
     # None: $AENV_HOME/volumes.
     volumes_root: Path | None = None
+    # Secrets (docs/secrets.md): the key that seals `/secrets` values at rest, base64 of 32
+    # bytes; one for every node of a cluster. None: the node's own `secrets/secrets.key`,
+    # made at the first start.
+    secrets_key: SecretStr | None = None
+    # A PEM bundle of CAs the egress proxy trusts besides the system's when it re-encrypts
+    # an intercepted HTTPS request (a host with header `rules`) to the real host.
+    egress_ca_bundle: Path | None = None
     # Where `aenv template build-base` downloads Debian packages from (None: the host's mirror).
     debian_mirror: str | None = None
 
@@ -347,6 +354,22 @@ class Settings(BaseSettings):
     def api_keys_file(self) -> Path:
         """The named API keys, hashed (`aenv keys`, `aenv.keys`)."""
         return self.secrets_dir / "api-keys.json"
+
+    @property
+    def secrets_key_file(self) -> Path:
+        """The key sealing `/secrets` values, unless AENV_SECRETS_KEY gives one."""
+        return self.secrets_dir / "secrets.key"
+
+    @property
+    def secrets_file(self) -> Path:
+        """`/secrets`, their values sealed (`aenv.secretstore`)."""
+        return self.secrets_dir / "secrets.json"
+
+    @property
+    def egress_ca_dir(self) -> Path:
+        """The egress proxy's CA (key 0600 and certificate) and the host certificates it
+        signs for intercepted HTTPS."""
+        return self.secrets_dir / "egress-ca"
 
     @property
     def api_key_file(self) -> Path:

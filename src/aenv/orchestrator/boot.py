@@ -34,6 +34,7 @@ from ..runtime.base import Mount, Runtime, SandboxSpec
 from ..runtime.bundle import EnvdBundle
 from ..volumes import VolumeStore
 from .context import NodeContext
+from .egress_trust import TRUST_ENV, install_ca
 from .envd_pool import EnvdPool
 from .squashing import Squasher, replace_run, run_to_squash
 from .storage import SandboxStorage
@@ -250,14 +251,28 @@ class Booter:
         return inst
 
     async def init_envd(self, r: SandboxRecord, *, current_token: str | None = None) -> None:
-        """Gives envd the sandbox's token, environment, user and working directory."""
+        """Gives envd the sandbox's token, environment, user and working directory; with
+        header transforms in its egress rules, the node's egress CA goes into its trust
+        stores (`egress_trust`)."""
         assert r.instance is not None
+        ca = self.runtime.egress_ca_pem if r.egress.intercepts else None
+        env = {**r.boot.env, **r.env_vars}
+        if ca is not None:
+            env = {**TRUST_ENV, **env}
         await self.envd.at(r.instance.address, current_token).init(
             token=r.envd_access_token,
-            env_vars={**r.boot.env, **r.env_vars},
+            env_vars=env,
             user=r.boot.user,
             workdir=r.boot.workdir,
         )
+        if ca is not None:
+            await install_ca(self.envd.at(r.instance.address, r.envd_access_token), ca)
+
+    async def trust_egress_ca(self, r: SandboxRecord) -> None:
+        """The egress CA into a running sandbox's trust stores (its envd initialised)."""
+        ca = self.runtime.egress_ca_pem
+        if ca is not None and r.instance is not None:
+            await install_ca(self.envd.at(r.instance.address, r.envd_access_token), ca)
 
     async def apply_egress(self, r: SandboxRecord) -> None:
         """Puts the record's egress rules in force on its running container."""

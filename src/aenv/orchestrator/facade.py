@@ -38,6 +38,7 @@ import httpx
 
 from ..config import Settings
 from ..domain import DEFAULT_TEMPLATE, LIVE_STATES, SandboxRecord, SandboxState
+from ..egress import SecretLookup
 from ..envd.files import file_signature
 from ..envd_client import EnvdClient
 from ..errors import AenvError, BadRequest
@@ -117,6 +118,7 @@ class Orchestrator:
         self.storage = storage
         self.bundle = bundle
         self._envd = envd = envd or EnvdPool()
+        self._runtime = runtime
         base = settings.max_memory_mb or int(_host_memory_mb() * 0.9)
         budget = int(base * settings.memory_overcommit)
         self.table = table = SandboxTable(catalog, budget, settings.max_sandboxes)
@@ -169,6 +171,11 @@ class Orchestrator:
         self.context.closing = True  # the node reports `draining` while it shuts down
         await self.sampler.stop()
         await self.node.close()
+
+    def use_secrets(self, lookup: SecretLookup) -> None:
+        """Where the egress path reads the secrets that header transforms name (the
+        composition root gives the node's secret store)."""
+        self._runtime.use_secrets(lookup)
 
     def envd(self, r: SandboxRecord) -> EnvdClient:
         """Process and file calls to a running sandbox's envd, with its access token."""

@@ -141,8 +141,8 @@ class Recovery:
 
     async def _reapply_egress(self, r: SandboxRecord) -> None:
         """The slot kept its rules, but not what the server itself serves for them (the
-        egress proxy of domain rules): put the record's policy in force again."""
-        if not r.egress.has_domains or r.instance is None:
+        egress proxy of domain rules and header transforms): put the record's policy in force again."""
+        if not r.egress.proxied or r.instance is None:
             return
         try:
             await self.runtime.set_egress(r.instance, r.egress)

@@ -217,14 +217,22 @@ class Sandboxes:
 
     async def update_network(self, sandbox_id: str, policy: EgressPolicy) -> SandboxRecord:
         """Replaces the sandbox's egress rules: in force at once on a running or frozen one,
-        at its next boot otherwise (every boot puts the record's rules in place first)."""
-        self.table.get(sandbox_id)
+        at its next boot otherwise (every boot puts the record's rules in place first).
+        Placeholders name the secrets of the sandbox's owner, whoever sends the update; a
+        running sandbox given its first header transforms gets the egress CA installed."""
+        r = self.table.get(sandbox_id)
+        policy = replace(policy, owner=r.owner)
+        trust = policy.intercepts and not r.egress.intercepts
+        if trust and r.state is SandboxState.RUNNING:
+            await self.ctx.wake(sandbox_id)  # out of a nap or standby: envd must answer
         async with self.table.lock(sandbox_id):
             r = self.table.get(sandbox_id)
             if r.instance is not None:
                 await self.runtime.set_egress(r.instance, policy)
             r.egress = policy
             await self.table.save(r)
+            if trust and r.instance is not None and r.state is SandboxState.RUNNING:
+                await self.booter.trust_egress_ca(r)
         return r
 
     async def refresh(self, sandbox_id: str, duration: int | None) -> SandboxRecord:

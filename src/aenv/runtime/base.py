@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aenv.domain import EgressPolicy, Instance
+from aenv.egress import SecretLookup
 
 __all__ = ["Instance", "Mount", "Runtime", "SandboxSpec", "Stats"]
 
@@ -161,6 +162,18 @@ class Runtime(abc.ABC):
         """Replace the egress rules of a running, frozen or stopped sandbox, atomically (no
         moment without rules); an open policy removes them. Raises `RuntimeFailure` for an
         instance that is gone."""
+
+    def use_secrets(self, lookup: SecretLookup) -> None:
+        """Where the egress path reads the secrets that header transforms name (a backend
+        without header transforms ignores it)."""
+        return None
+
+    @property
+    def egress_ca_pem(self) -> bytes | None:
+        """The CA certificate (PEM) the egress path signs intercepted hosts' certificates
+        with, for the trust stores of sandboxes with header transforms; None: the backend
+        intercepts nothing (after `start`)."""
+        return None
 
     @abc.abstractmethod
     def is_stopped(self, inst: Instance) -> bool:

@@ -21,8 +21,8 @@ from aenv.images.pull import LayerProgress
 from aenv.orchestrator import check_timeout
 
 from ..auth import key_name, require_api_key
-from ..deps import SettingsDep
-from ..models import ErrorBody, Sandbox, SandboxOptions, _Request
+from ..deps import SecretsDep, SettingsDep
+from ..models import ErrorBody, Sandbox, SandboxOptions, _Request, check_secrets
 from .builds import BuilderDep
 from .sandboxes import add_timing
 
@@ -72,10 +72,12 @@ async def create_cold(
     request: Request,
     response: Response,
     settings: SettingsDep,
+    secrets: SecretsDep,
     images: Images = Depends(get_images),
 ) -> Sandbox:
     check_timeout(body.timeout, settings)
     req = body.to_request(key_name(request))
+    check_secrets(req.egress, secrets)
     timings = Timings()
     record = await images.cold_start(
         body.image,

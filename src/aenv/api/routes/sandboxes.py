@@ -6,6 +6,7 @@ method, shape the record into E2B JSON. Errors are raised, never formatted here.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -16,9 +17,10 @@ from aenv.config import Settings
 from aenv.domain import SandboxRecord, Timings
 from aenv.errors import Conflict, NotFound
 from aenv.orchestrator import Orchestrator, check_timeout
+from aenv.secretstore import SecretStore
 
 from ..auth import key_name, require_api_key
-from ..deps import IdempotencyDep, OrchestratorDep, SettingsDep
+from ..deps import IdempotencyDep, OrchestratorDep, SecretsDep, SettingsDep
 from ..idempotency import IdempotencyCache, validate_key
 from ..listing import Cursor, aware, paginate, parse_metadata_filter, parse_states, rfc3339
 from ..models import (
@@ -37,6 +39,7 @@ from ..models import (
     SandboxDetail,
     TimeoutBody,
     api_state,
+    check_secrets,
 )
 
 router = APIRouter(
@@ -87,10 +90,12 @@ async def _create(
     orchestrator: Orchestrator,
     settings: Settings,
     idempotency: IdempotencyCache,
+    secrets: SecretStore,
 ) -> Sandbox:
     check_timeout(body.timeout, settings)
     key = validate_key(key)
     req = body.to_request(owner, body.template_id)
+    check_secrets(req.egress, secrets)
 
     async def create() -> tuple[Sandbox, str]:
         timings = Timings()
@@ -117,6 +122,7 @@ async def create_sandbox_v1(
     orchestrator: OrchestratorDep,
     settings: SettingsDep,
     idempotency: IdempotencyDep,
+    secrets: SecretsDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Sandbox:
     # `secure` is accepted and ignored: every sandbox's envd wants its access token.
@@ -128,6 +134,7 @@ async def create_sandbox_v1(
         orchestrator=orchestrator,
         settings=settings,
         idempotency=idempotency,
+        secrets=secrets,
     )
 
 
@@ -139,6 +146,7 @@ async def create_sandbox_v2(
     orchestrator: OrchestratorDep,
     settings: SettingsDep,
     idempotency: IdempotencyDep,
+    secrets: SecretsDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Sandbox:
     return await _create(
@@ -149,6 +157,7 @@ async def create_sandbox_v2(
         orchestrator=orchestrator,
         settings=settings,
         idempotency=idempotency,
+        secrets=secrets,
     )
 
 
@@ -238,9 +247,13 @@ async def set_timeout(
     summary="Replace a sandbox's egress rules (omitted fields are cleared)",
 )
 async def update_network(
-    sandbox_id: str, body: NetworkUpdate, orchestrator: OrchestratorDep
+    sandbox_id: str, body: NetworkUpdate, orchestrator: OrchestratorDep, secrets: SecretsDep
 ) -> Response:
-    await orchestrator.sandboxes.update_network(sandbox_id, body.policy(body.allow_internet_access))
+    policy = body.policy(body.allow_internet_access)
+    if policy.intercepts:  # the sandbox's owner's secrets, not the caller's
+        owner = orchestrator.table.get(sandbox_id).owner
+        check_secrets(replace(policy, owner=owner), secrets)
+    await orchestrator.sandboxes.update_network(sandbox_id, policy)
     return Response(status_code=204)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from aenv.background import Background
 from aenv.config import Settings
 from aenv.domain import ENVD_PORT, EgressPolicy
+from aenv.egress import SecretLookup
 from aenv.errors import RuntimeFailure
 from aenv.runtime import naps, priority, rootfs
 from aenv.runtime.base import Instance, Runtime, SandboxSpec, Stats
@@ -27,6 +28,7 @@ from aenv.runtime.gvisor.reaping import Reaper
 from aenv.runtime.gvisor.reconcile import Reconciler
 from aenv.runtime.gvisor.runsc import Runsc, gather_quiet
 from aenv.runtime.gvisor.stats import StatsReader, exit_cause
+from aenv.runtime.net.egress_ca import EgressCA
 from aenv.runtime.net.network import Network, Slot, SlotAddressing, SlotPool
 from aenv.runtime.rootfs import RootfsMounts
 
@@ -49,6 +51,8 @@ class GVisorRuntime(Runtime):
             debug=debug,
         )
         self.network = Network(self.addressing)
+        # Signs the certificates of hosts whose HTTPS the egress proxy opens (header rules).
+        self.egress_ca = EgressCA(settings.egress_ca_dir, settings.egress_ca_bundle)
         self.pool = SlotPool(self.network, settings.net_pool_size)
         self.rootfs = RootfsMounts(settings.home / "mnt")
         self.freezer = Freezer(CGROUP_ROOT)
@@ -81,6 +85,8 @@ class GVisorRuntime(Runtime):
         await self.runsc.probe()
         await asyncio.to_thread(priority.favour_node, s.net_prefix)
         await self.rootfs.prepare()
+        await asyncio.to_thread(self.egress_ca.load)
+        self.network.proxies.ca = self.egress_ca
         await self.network.setup_host()
         recovered = await self.reconciler.recover(keep, self._tasks.spawn)
         for c in recovered.values():
@@ -467,6 +473,13 @@ class GVisorRuntime(Runtime):
 
     async def exit_cause(self, inst: Instance) -> str | None:
         return await asyncio.to_thread(exit_cause, self._view(inst))
+
+    def use_secrets(self, lookup: SecretLookup) -> None:
+        self.network.proxies.secrets = lookup
+
+    @property
+    def egress_ca_pem(self) -> bytes | None:
+        return self.egress_ca.pem or None
 
     async def set_egress(self, inst: Instance, policy: EgressPolicy) -> None:
         # The rules live in the slot, not the container: running, frozen or stopped alike.

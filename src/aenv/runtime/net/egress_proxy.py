@@ -1,5 +1,5 @@
-"""Domain egress rules: a small TCP proxy in the router netns of each sandbox whose policy
-names domains (`EgressPolicy.has_domains`).
+"""Domain egress rules and header transforms: a small TCP proxy in the router netns of each
+sandbox whose policy names domains or has `rules` with transforms (`EgressPolicy.proxied`).
 
 The router netns redirects the sandbox's new TCP connections to ports 80 and 443
 (`network.egress_rules`) to a listener this module opens inside that netns, on the gateway
@@ -9,7 +9,11 @@ the TLS server name (443, `sniff`; nothing is decrypted), decides with
 `EgressPolicy.allows(address, name)` and then either closes the connection or opens one to
 the original destination from the router netns and copies bytes both ways, the peeked
 ones first. As in E2B, a refused connection was accepted first: the sandbox sees it close,
-not a reset before the handshake.
+not a reset before the handshake. A connection to a host with header `rules`
+(`EgressPolicy.headers_for`) is not spliced but opened (`egress_intercept`): TLS
+terminated with the node's egress CA (`egress_ca`), each request given its headers with
+the owner's secrets resolved, re-encrypted to the real host. Every other connection is
+spliced untouched, as before.
 
 Addresses no rule can open (`fixed_denies`) are refused here before any rule is looked at;
 the proxy's own connections also leave through the host's veth, so the host's fixed denies
@@ -28,13 +32,17 @@ import ipaddress
 import logging
 import os
 import socket
+import ssl
 import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from aenv.domain import EgressPolicy
+from aenv.egress import SecretLookup, UnknownSecret, placeholder_names, resolve_placeholders
+from aenv.runtime.net import egress_intercept as intercept
 from aenv.runtime.net import sniff
+from aenv.runtime.net.egress_ca import EgressCA
 
 log = logging.getLogger("aenv.runtime")
 
@@ -138,6 +146,10 @@ class EgressProxies:
         self.fixed_denies = fixed_denies
         self.sockets = NetnsSockets()
         self._slots: dict[int, _SlotProxy] = {}
+        # For header transforms: the CA that signs the hosts' certificates (None: HTTPS to
+        # a host with rules is spliced untouched) and the owners' secrets.
+        self.ca: EgressCA | None = None
+        self.secrets: SecretLookup | None = None
 
     def active(self, n: int) -> bool:
         return n in self._slots
@@ -212,14 +224,10 @@ class EgressProxies:
             if not policy.allows(ip, name):
                 log.debug("egress proxy: %s:%d (%s) refused", ip, port, name)
                 return
-            out = await self.sockets.socket(proxy.ns_path)
-            try:
-                await asyncio.wait_for(
-                    asyncio.get_running_loop().sock_connect(out, (ip, port)), CONNECT_TIMEOUT
-                )
-            except BaseException:
-                out.close()
-                raise
+            if policy.headers_for(name) is not None and (port == 80 or self.ca is not None):
+                await self._intercept(proxy, policy, reader, writer, (ip, port), name, head)
+                return
+            out = await self._connect(proxy, ip, port)
             up_reader, upstream = await asyncio.open_connection(sock=out)
             upstream.write(head)
             await asyncio.gather(_pipe(reader, upstream), _pipe(up_reader, writer))
@@ -231,6 +239,86 @@ class EgressProxies:
             for w in (writer, upstream):
                 if w is not None:
                     w.close()
+
+    async def _connect(self, proxy: _SlotProxy, ip: str, port: int) -> socket.socket:
+        out = await self.sockets.socket(proxy.ns_path)
+        try:
+            await asyncio.wait_for(
+                asyncio.get_running_loop().sock_connect(out, (ip, port)), CONNECT_TIMEOUT
+            )
+        except BaseException:
+            out.close()
+            raise
+        return out
+
+    async def _intercept(
+        self,
+        proxy: _SlotProxy,
+        policy: EgressPolicy,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        dest: tuple[str, int],
+        name: str | None,
+        head: bytes,
+    ) -> None:
+        """A connection to a host with header rules: opened, its requests rewritten."""
+        assert name is not None
+        ip, port = dest
+
+        def resolve(value: str) -> str:
+            if self.secrets is None:
+                names = placeholder_names(value)
+                if names:
+                    raise UnknownSecret(names[0])
+                return value
+            return resolve_placeholders(value, policy.owner, self.secrets)
+
+        client: intercept.Stream
+        headers_for: intercept.HeadersFor = policy.headers_for
+        if port == 80:
+            client = intercept.PlainStream(reader, writer, head)
+        else:
+            assert self.ca is not None
+            ca = self.ca
+            ctx = ca.cached_context(name)
+            if ctx is None:
+                ctx = await asyncio.to_thread(ca.server_context, name)
+            tls = intercept.TlsServerStream(reader, writer, ctx, head)
+            await asyncio.wait_for(tls.handshake(), intercept.HANDSHAKE_TIMEOUT)
+            client = tls
+            fixed = policy.headers_for(name)  # the name the client verified our certificate for
+            headers_for = lambda _host: fixed  # noqa: E731
+
+        try:
+            out = await self._connect(proxy, ip, port)
+            if port == 80:
+                up_reader, up_writer = await asyncio.open_connection(sock=out)
+            else:
+                assert self.ca is not None
+                up_ctx = await asyncio.to_thread(self.ca.upstream_context)
+                up_reader, up_writer = await asyncio.wait_for(
+                    asyncio.open_connection(
+                        sock=out,
+                        ssl=up_ctx,
+                        server_hostname=name,
+                        ssl_handshake_timeout=intercept.HANDSHAKE_TIMEOUT,
+                    ),
+                    CONNECT_TIMEOUT + intercept.HANDSHAKE_TIMEOUT,
+                )
+        except ssl.SSLCertVerificationError as e:
+            log.info("egress to %s: its certificate did not verify: %s", name, e.verify_message)
+            await intercept.refuse(client, f"the certificate of {name} did not verify")
+            return
+        except (OSError, TimeoutError) as e:
+            log.debug("egress to %s failed: %s", name, e)
+            await intercept.refuse(client, f"could not reach {name}")
+            return
+        upstream = intercept.PlainStream(up_reader, up_writer)
+        try:
+            await intercept.serve(client, upstream, headers_for, resolve, name)
+        finally:
+            upstream.close()
+            client.close()
 
     async def _peek(self, reader: asyncio.StreamReader, port: int) -> tuple[bytes, str | None]:
         """The first bytes (to be sent on) and the name in them, if any."""

@@ -1,6 +1,6 @@
 """The iptables rules of a sandbox's egress policy, in its router netns (see `network`):
 the filter chain for addresses and the nat chain that sends ports 80/443 to the egress
-proxy when the policy names domains. Pure text; `Network.apply_egress` installs it."""
+proxy when the policy names domains or has header transforms. Pure text; `Network.apply_egress` installs it."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ def egress_rules(policy: EgressPolicy) -> str:
     transaction (no moment without rules). Filter: replies of established connections pass,
     then (with a domain in `allow_out`) the DNS servers it opens, then the address entries of
     `allow_out` accept, those of `deny_out` reject, and the rest is rejected unless
-    `allow_internet`. Nat: with domain rules, TCP to ports 80 and 443 goes to the slot's
-    egress proxy, which applies the whole policy there. An open policy leaves both chains
+    `allow_internet`. Nat: with domain rules or header transforms, TCP to ports 80 and 443
+    goes to the slot's egress proxy, which applies the whole policy there. An open policy leaves both chains
     empty. ValueError for an entry that is neither an IPv4 address or block nor a domain
     (`EgressPolicy.normalized`).
 
@@ -35,7 +35,7 @@ def egress_rules(policy: EgressPolicy) -> str:
         if not p.allow_internet:
             lines += _reject(f"-A {c}")
     lines += ["COMMIT", "*nat", f":{c} - [0:0]"]
-    if p.has_domains:
+    if p.proxied:
         ports = ",".join(map(str, REDIRECTED_PORTS))
         lines.append(
             f"-A {c} -p tcp -m multiport --dports {ports} -j REDIRECT --to-ports {PROXY_PORT}"

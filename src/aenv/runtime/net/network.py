@@ -340,7 +340,7 @@ EOF
         p = policy.normalized()
         ns = NETNS_DIR / self.addr.router_ns(n)
         t0 = time.perf_counter()
-        if p.has_domains:  # listening before anything is redirected to it
+        if p.proxied:  # listening before anything is redirected to it
             try:
                 await self.proxies.apply(n, str(ns), p)
             except OSError as e:
@@ -354,7 +354,7 @@ EOF
                 what=f"egress rules of slot {n}",
             )
             self._rules_in_force[n] = rules
-        if not p.has_domains:
+        if not p.proxied:
             await self.proxies.stop(n)
         log.debug("slot %d egress rules in %.1f ms", n, (time.perf_counter() - t0) * 1000)
 
