@@ -45,6 +45,7 @@ TAGS = (
     "s3a",  # test_durable.py, first node
     "s3b",  # test_durable.py, second node
     "prm",  # test_prometheus_scrape.py
+    "sec",  # test_secrets_egress.py
 )
 _FIRST_SLOT_NET = ipaddress.IPv4Address("10.234.0.0")
 _PER_SESSION = 32  # SESSIONS * 32 /20s end at 10.249.255.255
