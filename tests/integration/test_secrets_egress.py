@@ -188,7 +188,7 @@ def test_a_secret_header_reaches_the_host_and_never_the_sandbox(
             {"transform": {"headers": {"X-Aenv-Test": "plain"}}},
         ]
     }
-    sbx = Sandbox.create("base", timeout=300, network={"rules": rules}, **opts)  # type: ignore[typeddict-item]
+    sbx = Sandbox.create("base", timeout=300, network={"rules": rules}, **opts)  # type: ignore[arg-type]
     try:
         assert _value_inside(sbx) == ""
 
