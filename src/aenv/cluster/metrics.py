@@ -71,6 +71,8 @@ ROUTE_TEMPLATES = (
     "/volumecontent/{volume_id}/dir",
     "/volumecontent/{volume_id}/file",
     "/volumecontent/{volume_id}/path",
+    "/secrets",
+    "/secrets/{secret_id}",
     "/cluster/sandboxes/{sandbox_id}/adopt",
     "/cluster/sandboxes/{sandbox_id}/release",
 )
