@@ -27,6 +27,7 @@ EVERY_OPTION: dict[str, Any] = {
         "dnsServers": ["203.0.113.53"],
         "allowPublicTraffic": False,
         "maskRequestHost": "app-${PORT}.example.test",
+        "rules": {"API.example.test": [{"transform": {"headers": {"X-Key": "${e2b.secrets.k}"}}}]},
     },
     "metadata": {"team": "rl"},
     "envVars": {"STEP": "1"},
@@ -49,6 +50,8 @@ EXPECTED = CreateRequest(
         allow_out=["203.0.113.7"],
         deny_out=["0.0.0.0/0"],
         dns_servers=["203.0.113.53"],
+        rules={"api.example.test": [{"X-Key": "${e2b.secrets.k}"}]},
+        owner="team-key",  # whose secrets the placeholders name
     ).normalized(),
     public_traffic=False,
     mask_request_host="app-${PORT}.example.test",

@@ -4,11 +4,14 @@ sandbox's info shows (placeholders, never values)."""
 
 from __future__ import annotations
 
+import json
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 import pytest
 
+from aenv.domain import SandboxRecord, SandboxState, record_from_json, record_to_json
 from aenv.egress import EgressPolicy, UnknownSecret, placeholder_names, resolve_placeholders
 from aenv.runtime.net.egress_rules import egress_rules
 from tests.node_harness import Harness
@@ -163,3 +166,25 @@ async def test_update_network_checks_the_owners_secrets(
     # Omitted: cleared, as every field of the update.
     assert (await client.put(f"/sandboxes/{sid}/network", json={})).status_code == 204
     assert node.orch.table.get(sid).egress.rules == {}
+
+
+def test_records_keep_rules_and_stay_readable_by_older_nodes() -> None:
+    now = datetime.now(UTC)
+    r = SandboxRecord(
+        sandbox_id="isbx",
+        template_id="base",
+        alias=None,
+        client_id="x",
+        started_at=now,
+        end_at=now,
+        cpu_count=1,
+        memory_mb=128,
+        disk_mb=1,
+        state=SandboxState.RUNNING,
+        envd_version="1",
+        envd_access_token="t",
+    )
+    plain = json.loads(record_to_json(r))["egress"]
+    assert "rules" not in plain and "owner" not in plain  # an older node's EgressPolicy(**d)
+    r.egress = EgressPolicy(rules={"h.test": [{"A": TOKEN}]}, owner="alice")
+    assert record_from_json(record_to_json(r)).egress == r.egress
