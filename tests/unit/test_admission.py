@@ -164,7 +164,7 @@ async def test_a_draining_node_refuses_a_fork_like_a_create(node: Harness) -> No
 
 def _creates_counted(prometheus: bytes) -> float:
     for line in prometheus.decode().splitlines():
-        if line.startswith('aenv_operation_seconds_count{op="create"}'):
+        if line.startswith('aenv_operation_duration_seconds_count{op="create"}'):
             return float(line.split()[-1])
     return 0.0
 
