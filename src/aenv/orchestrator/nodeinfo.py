@@ -101,7 +101,7 @@ class NodeStats:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.latency = Histogram(
             # `_duration_seconds`, like every latency histogram of ours (was
-            # `aenv_operation_duration_seconds`).
+            # `aenv_operation_seconds`).
             "aenv_operation_duration_seconds",
             "Duration of sandbox lifecycle operations that succeeded",
             ["op"],
