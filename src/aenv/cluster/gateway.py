@@ -41,6 +41,7 @@ from .forward import NodeClient, NodeError, NodeUnreachable
 from .metrics import GatewayMetrics, route_template
 from .records import NodeRecord
 from .scheduler import Placement, Scheduler
+from .signing import SignerLookup
 from .state import ClusterState
 
 log = logging.getLogger("aenv.cluster")
@@ -459,4 +460,5 @@ def create_gateway_app(
             raise
         return _upstream(node)
 
-    return GatewayRouter(control, resolve, settings.routing_domains)
+    signed_by = SignerLookup(directory, gateway.nodes, settings.api_key)
+    return GatewayRouter(control, resolve, settings.routing_domains, signed_by=signed_by)

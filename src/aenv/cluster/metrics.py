@@ -73,6 +73,7 @@ ROUTE_TEMPLATES = (
     "/volumecontent/{volume_id}/path",
     "/cluster/sandboxes/{sandbox_id}/adopt",
     "/cluster/sandboxes/{sandbox_id}/release",
+    "/cluster/signed",
 )
 
 
