@@ -1,17 +1,21 @@
 """The data plane through a gateway, on a cluster of its own (two real nodes, one gateway),
 with the stock E2B SDK pointed at the gateway: signed file URLs made against the gateway's
 address reach the sandbox that signed them, and a sandbox killed mid-stream ends the client's
-streams with the SDK's "killed" error, as it does against a node."""
+streams with the SDK's "killed" error, as it does against a node, and resets the client's
+connection on the wire."""
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from e2b import Sandbox
 from e2b.sandbox.commands.command_handle import PtySize
@@ -104,3 +108,49 @@ def test_a_kill_ends_streams_through_a_gateway(cluster: Cluster) -> None:
     for exc in errors.values():
         assert "sandbox was killed or reached its end of life" in str(exc), repr(exc)
     assert not s.is_running()
+
+
+def test_a_kill_resets_a_raw_stream_through_a_gateway(cluster: Cluster) -> None:
+    """On the wire: a process stream read through the gateway ends with a connection reset
+    when its sandbox is killed (the node resets its stream to the gateway, the gateway the
+    client's), not a clean close of an unfinished body, which some clients read as a
+    malformed response rather than the connection lost."""
+    gw = cluster.gateways[0]
+    s = cluster.create(gw)
+    headers = {
+        "content-type": "application/connect+json",
+        "connect-protocol-version": "1",
+        "e2b-sandbox-id": s.sandbox_id,
+        "e2b-sandbox-port": "49983",
+        "x-access-token": s._envd_access_token or "",
+    }
+    msg = json.dumps({"process": {"cmd": "/bin/sh", "args": ["-c", "echo up; sleep 600"]}})
+    body = struct.pack(">BI", 0, len(msg)) + msg.encode()
+    got = b""
+    with (
+        httpx.Client(timeout=httpx.Timeout(10, read=90)) as client,
+        client.stream(
+            "POST", f"{gw.url}/process.Process/Start", content=body, headers=headers
+        ) as r,
+    ):
+        assert r.status_code == 200
+        parts = r.iter_raw()
+        while b"up" not in base64_stdout(got):
+            got += next(parts)
+        assert Sandbox.kill(s.sandbox_id, **gw.sdk())
+        with pytest.raises(httpx.ReadError):  # a clean close: httpx.RemoteProtocolError
+            for part in parts:
+                got += part
+
+
+def base64_stdout(raw: bytes) -> bytes:
+    """The process output in a Connect stream read so far (its `stdout` fields, base64)."""
+    out = b""
+    while len(raw) >= 5:
+        n = struct.unpack(">I", raw[1:5])[0]
+        if len(raw) < 5 + n:
+            break
+        data = json.loads(raw[5 : 5 + n]).get("event", {}).get("data", {})
+        out += base64.b64decode(data.get("stdout", ""))
+        raw = raw[5 + n :]
+    return out

@@ -17,9 +17,11 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
+from prometheus_client import CollectorRegistry
 
 from aenv.domain import Upstream
 from aenv.proxy import ConnectionPool, HttpForwarder, SandboxRouter
+from aenv.telemetry import HttpMetrics, HttpMetricsMiddleware
 from tests.unit.proxy_env import ENVD, Env, MiB, _no_control_app, _pattern, proxy_servers, serve
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -297,8 +299,10 @@ async def test_an_upstream_reset_mid_body_resets_the_client() -> None:
         return Upstream("127.0.0.1", port)
 
     router = SandboxRouter(_no_control_app, resolver, [])
+    # As a node and a gateway serve it: behind the metrics middleware, which wraps `send`.
+    app = HttpMetricsMiddleware(router, HttpMetrics(CollectorRegistry()))
     try:
-        async with serve(router) as proxy_port, httpx.AsyncClient(trust_env=False) as c:
+        async with serve(app) as proxy_port, httpx.AsyncClient(trust_env=False) as c:
             url = f"http://127.0.0.1:{proxy_port}/"
             async with c.stream("GET", url, headers={"e2b-sandbox-id": "s"}) as r:
                 got = b""
