@@ -83,8 +83,16 @@ class FakeNode:
                 {"node": self.node_id, "sandbox": request.headers.get("e2b-sandbox-id")}
             )
 
+        async def listing(request: Request) -> Response:
+            items = [
+                {"sandboxID": sid, "startedAt": "2026-01-01T00:00:00Z"}
+                for sid in sorted(self.sandboxes)
+            ]
+            return JSONResponse(items, headers={"X-Total-Running": str(len(items))})
+
         return Starlette(
             routes=[
+                Route("/v2/sandboxes", listing, methods=["GET"]),
                 Route("/cluster/signed", signed, methods=["POST"]),
                 Route("/files", files, methods=["GET", "POST"]),
                 Route("/v2/sandboxes", create, methods=["POST"]),
@@ -208,3 +216,14 @@ async def test_a_signed_file_url_reaches_the_sandbox_that_signed_it(
         # Without a signature it is no data-plane request: passed to a node as it came.
         r = await client.get("/files", params={"path": "/x"})
         assert r.json()["sandbox"] is None
+
+
+async def test_the_running_count_of_a_listing_is_every_nodes(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    async with cluster(redis, tmp_path) as (client, a, b, _):
+        for _ in range(5):
+            assert (await client.post("/v2/sandboxes", json={"templateID": "base"})).is_success
+        r = await client.get("/v2/sandboxes", params={"limit": 2})
+        assert len(r.json()) == 2 and r.headers["X-Total-Running"] == "5"
+        assert len(a.sandboxes) + len(b.sandboxes) == 5

@@ -22,12 +22,14 @@ from ..config import Settings
 from ..domain import DEFAULT_TEMPLATE, TemplateKind, new_id
 from ..errors import AenvError, BadRequest, Conflict, NotFound
 from ..orchestrator import Orchestrator
+from . import tag_history
 from .files import BuildFiles
 from .finalize import READY_TIMEOUT, finalize
 from .images import Images
 from .job import BUILD_PIN, META_BUILD, ActiveBuild, BuildFailed, BuildJob
 from .spec import parse_spec
 from .store import LEVELS, BuildReason, BuildRecord, BuildStore, LogEntry
+from .tag_history import AssignmentEvent
 from .tags import DEFAULT_TAG, Tags, check_tags, owner_of, split_name
 
 log = logging.getLogger("aenv.builds")
@@ -170,6 +172,14 @@ class Builder:
             for t in b.tags or [DEFAULT_TAG]:
                 out[t] = (b.build_id, b.created)
         return [(t, bid, at) for t, (bid, at) in out.items()]
+
+    async def tag_events(self, id_or_name: str) -> list[AssignmentEvent]:
+        """The ready assignments of a template's tags, newest first (tag_history.py)."""
+        tid = await self.template_of(id_or_name)
+        rows = await self.tags.rows(tid)
+        recorded = await asyncio.to_thread(self.store.assignments, tid)
+        builds = await asyncio.to_thread(self.store.for_template, tid)
+        return tag_history.events(tid, rows, recorded, builds, await self.tags.records(tid))
 
     async def assign_tags(self, target: str, tags: list[str]) -> tuple[str, list[str]]:
         """`target` is `name:tag` (or `name`, its default build); returns (build id, tags)."""

@@ -44,6 +44,9 @@ router = APIRouter(
 )
 
 NEXT_TOKEN_HEADER = "x-next-token"
+# Running sandboxes matching a v2 listing's filters, before paging; only when running ones
+# were asked for (E2B's XTotalRunning).
+TOTAL_RUNNING_HEADER = "X-Total-Running"
 SERVER_TIMING_HEADER = "Server-Timing"
 
 
@@ -196,6 +199,9 @@ async def list_sandboxes_v2(
     page, token = paginate([r for r, _ in visible], order=order, limit=limit, cursor=cursor)
     if token:
         response.headers[NEXT_TOKEN_HEADER] = token
+    if "running" in wanted:
+        running = sum(1 for s in states.values() if s == "running")
+        response.headers[TOTAL_RUNNING_HEADER] = str(running)
     return [ListedSandbox.from_record(r, states[r.sandbox_id]) for r in page]
 
 
