@@ -23,6 +23,7 @@ from ..domain import DEFAULT_TEMPLATE, TemplateKind, new_id
 from ..errors import AenvError, BadRequest, Conflict, NotFound
 from ..orchestrator import Orchestrator
 from . import tag_history
+from .autobuild import CodeInterpreterAutobuild
 from .files import BuildFiles
 from .finalize import READY_TIMEOUT, finalize
 from .images import Images
@@ -56,6 +57,7 @@ class Builder:
         self.ready_timeout = ready_timeout
         self._active: dict[str, ActiveBuild] = {}
         self._sem = asyncio.Semaphore(max(1, concurrency))
+        self.autobuild = CodeInterpreterAutobuild(settings)
 
     # ------------------------------------------------------------------ node lifecycle
     async def start(self) -> None:
@@ -63,6 +65,7 @@ class Builder:
             await self._cleanup()
         except Exception:
             log.exception("cleaning up after the builds of an earlier server process failed")
+        self.autobuild.start()
 
     async def _cleanup(self) -> None:
         """Ends what a previous server process left: unfinished builds, their sandboxes,
@@ -83,6 +86,7 @@ class Builder:
                 await self.images.unregister(t.template_id)
 
     async def close(self) -> None:
+        await self.autobuild.close()
         tasks = [ab.task for ab in self._active.values() if ab.task and not ab.task.done()]
         for t in tasks:
             t.cancel()

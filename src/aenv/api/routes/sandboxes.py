@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from pydantic import BeforeValidator
 
+from aenv.builds.builder import Builder
 from aenv.config import Settings
 from aenv.domain import SandboxRecord, Timings
 from aenv.errors import Conflict, NotFound
@@ -38,6 +39,7 @@ from ..models import (
     TimeoutBody,
     api_state,
 )
+from .builds import BuilderDep
 
 router = APIRouter(
     tags=["sandboxes"], dependencies=[Depends(require_api_key)], responses=LIFECYCLE_ERRORS
@@ -90,6 +92,7 @@ async def _create(
     orchestrator: Orchestrator,
     settings: Settings,
     idempotency: IdempotencyCache,
+    builder: Builder,
 ) -> Sandbox:
     check_timeout(body.timeout, settings)
     key = validate_key(key)
@@ -97,7 +100,12 @@ async def _create(
 
     async def create() -> tuple[Sandbox, str]:
         timings = Timings()
-        record = await orchestrator.sandboxes.create(req, timings=timings)
+        # The code interpreter's template may be in its first build (builds/autobuild.py).
+        await builder.autobuild.before_create(req.template_id)
+        try:
+            record = await orchestrator.sandboxes.create(req, timings=timings)
+        except NotFound as e:
+            raise builder.autobuild.explain_missing(e, req.template_id) from None
         return Sandbox.from_record(record, settings.domain), timings.header()
 
     sandbox, timing = await idempotency.run(key, create)
@@ -120,6 +128,7 @@ async def create_sandbox_v1(
     orchestrator: OrchestratorDep,
     settings: SettingsDep,
     idempotency: IdempotencyDep,
+    builder: BuilderDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Sandbox:
     # `secure` is accepted and ignored: every sandbox's envd wants its access token.
@@ -131,6 +140,7 @@ async def create_sandbox_v1(
         orchestrator=orchestrator,
         settings=settings,
         idempotency=idempotency,
+        builder=builder,
     )
 
 
@@ -142,6 +152,7 @@ async def create_sandbox_v2(
     orchestrator: OrchestratorDep,
     settings: SettingsDep,
     idempotency: IdempotencyDep,
+    builder: BuilderDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Sandbox:
     return await _create(
@@ -152,6 +163,7 @@ async def create_sandbox_v2(
         orchestrator=orchestrator,
         settings=settings,
         idempotency=idempotency,
+        builder=builder,
     )
 
 
