@@ -47,6 +47,8 @@ def bench_env(
         AENV_API_KEY=api_key,
         AENV_NET_PREFIX=NET_PREFIX,
         AENV_NET_CIDR=NET_CIDR,
+        # Measured nodes build nothing of their own in the background.
+        AENV_CODE_INTERPRETER_AUTOBUILD="0",
     )
     if os.environ.get("AENV_CACHE_DIR"):  # the machine-wide rootfs cache, if moved
         env["AENV_CACHE_DIR"] = os.environ["AENV_CACHE_DIR"]

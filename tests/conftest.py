@@ -22,6 +22,9 @@ from hypothesis import settings
 
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="aenv-test-config-")
 atexit.register(functools.partial(shutil.rmtree, os.environ["XDG_CONFIG_HOME"], True))
+# No node of the tests builds code-interpreter-v1 at its start (minutes of CPU each): the
+# tests that use it build it, or ask for the build themselves (AENV_..._AUTOBUILD=1).
+os.environ["AENV_CODE_INTERPRETER_AUTOBUILD"] = "0"
 
 # Property tests check what is generated, not how fast: on a loaded 2-core machine one
 # example can take 10x its usual time, and a per-example deadline then fails a correct test.

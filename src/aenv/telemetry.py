@@ -110,6 +110,9 @@ class HttpMetricsMiddleware:
                 status = int(message["status"])
             await send(message)
 
+        # The proxy resets a client's connection through the server's `send` (a sandbox
+        # gone mid-stream): functools' marker lets it find that behind this wrapper.
+        send_seen.__wrapped__ = send  # type: ignore[attr-defined]
         try:
             await self.app(scope, receive, send_seen)
         finally:

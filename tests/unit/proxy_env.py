@@ -303,7 +303,7 @@ async def proxy_servers() -> AsyncIterator[Env]:
                 return Upstream("127.0.0.1", dead_port)
             return Upstream("127.0.0.1", upstream_port)
 
-        def signed_by(path: str, op: str, user: str, sig: str, exp: str | None) -> str | None:
+        async def signed_by(path: str, op: str, user: str, sig: str, exp: str | None) -> str | None:
             return (
                 "signer"
                 if (path, op, user, sig, exp) == ("/a b", "read", "", "v1_+/", None)

@@ -242,7 +242,6 @@ async def test_create_v2_shape_and_mapping(client: httpx.AsyncClient, node: Harn
             "envVars": {"A": "1"},
             "autoPause": True,
             "autoPauseMemory": False,
-            "autoResume": {"enabled": True},
             "allow_internet_access": False,
             "cpuCount": 4,
             "memoryMB": 1024,
@@ -272,7 +271,8 @@ async def test_create_v2_shape_and_mapping(client: httpx.AsyncClient, node: Harn
     # What the node made of each field.
     egress = EgressPolicy(allow_internet=False, allow_out=["203.0.113.7/32"])
     assert (rec.metadata, rec.env_vars) == ({"team": "alpha"}, {"A": "1"})
-    assert (rec.auto_pause, rec.auto_pause_memory, rec.auto_resume) == (True, False, True)
+    assert (rec.auto_pause, rec.auto_pause_memory, rec.auto_resume) == (True, False, False)
+    assert rec.timeout == 60  # what an auto-resume gives it again
     assert rec.end_at == node.clock.now + timedelta(seconds=60)
     assert (rec.egress, rec.mask_request_host) == (egress, "localhost:${PORT}")
     assert rec.instance is not None

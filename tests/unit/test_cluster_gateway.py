@@ -1,7 +1,8 @@
 """The gateway's routing, over a real redis-server and two node-like servers on loopback: a
 create goes to a node that takes it (another is tried when one is full, a client's mistake
 is answered at once), the sandbox's later requests follow its binding, a fork's children
-are bound where their parent is, and a kill unbinds it."""
+are bound where their parent is, a kill unbinds it, and a signed file URL made against the
+gateway's address reaches the sandbox that signed it."""
 
 from __future__ import annotations
 
@@ -67,8 +68,33 @@ class FakeNode:
             self.sandboxes.update(children)
             return JSONResponse([{"sandbox": {"sandboxID": c}} for c in children], 201)
 
+        async def signed(request: Request) -> Response:
+            # A sandbox's "token" signs `sig-{its id}` here.
+            body = await request.json()
+            sid = str(body["signature"]).removeprefix("sig-")
+            if sid not in self.sandboxes or body["operation"] != "read":
+                return JSONResponse({"code": 404, "message": "not signed here"}, 404)
+            return JSONResponse({"sandboxID": sid})
+
+        async def files(request: Request) -> Response:
+            # The data plane as the node's router gets it from a gateway.
+            self.seen.append(f"{request.method} {request.url.path}")
+            return JSONResponse(
+                {"node": self.node_id, "sandbox": request.headers.get("e2b-sandbox-id")}
+            )
+
+        async def listing(request: Request) -> Response:
+            items = [
+                {"sandboxID": sid, "startedAt": "2026-01-01T00:00:00Z"}
+                for sid in sorted(self.sandboxes)
+            ]
+            return JSONResponse(items, headers={"X-Total-Running": str(len(items))})
+
         return Starlette(
             routes=[
+                Route("/v2/sandboxes", listing, methods=["GET"]),
+                Route("/cluster/signed", signed, methods=["POST"]),
+                Route("/files", files, methods=["GET", "POST"]),
                 Route("/v2/sandboxes", create, methods=["POST"]),
                 Route("/sandboxes/{sid}", sandbox, methods=["GET", "DELETE"]),
                 Route("/sandboxes/{sid}/fork", fork, methods=["POST"]),
@@ -168,3 +194,36 @@ async def test_fork_children_are_bound_with_their_parent_and_a_kill_unbinds(
         assert await state.binding(sid) is None
         gone = await client.get(f"/sandboxes/{sid}")
         assert gone.status_code == 404
+
+
+async def test_a_signed_file_url_reaches_the_sandbox_that_signed_it(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    """The SDK's `download_url` against the gateway names no sandbox: the gateway asks the
+    nodes which sandbox signed it and routes there; a signature nobody made is a 401."""
+    async with cluster(redis, tmp_path) as (client, a, b, _):
+        made = [
+            (await client.post("/v2/sandboxes", json={"templateID": "base"})).json()["sandboxID"]
+            for _ in range(4)
+        ]
+        for sid in made:
+            node = owner(a, b, sid)
+            r = await client.get("/files", params={"path": "/x", "signature": f"sig-{sid}"})
+            assert r.status_code == 200, r.text
+            assert r.json() == {"node": node.node_id, "sandbox": sid}
+        r = await client.get("/files", params={"path": "/x", "signature": "sig-nobody"})
+        assert r.status_code == 401 and r.json()["message"] == "invalid signature"
+        # Without a signature it is no data-plane request: passed to a node as it came.
+        r = await client.get("/files", params={"path": "/x"})
+        assert r.json()["sandbox"] is None
+
+
+async def test_the_running_count_of_a_listing_is_every_nodes(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    async with cluster(redis, tmp_path) as (client, a, b, _):
+        for _ in range(5):
+            assert (await client.post("/v2/sandboxes", json={"templateID": "base"})).is_success
+        r = await client.get("/v2/sandboxes", params={"limit": 2})
+        assert len(r.json()) == 2 and r.headers["X-Total-Running"] == "5"
+        assert len(a.sandboxes) + len(b.sandboxes) == 5

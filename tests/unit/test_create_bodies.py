@@ -12,12 +12,12 @@ import pytest
 from aenv.api.models import NewSandbox, NewSandboxV2, SandboxOptions
 from aenv.api.routes.images import ColdSandbox
 from aenv.domain import CreateRequest, EgressPolicy, MountRequest
+from aenv.errors import BadRequest
 
 # A value other than the default for every option a create body carries.
 EVERY_OPTION: dict[str, Any] = {
     "timeout": 77,
     "autoPause": True,
-    "autoPauseMemory": False,
     "autoResume": {"enabled": True},
     "standbyAfter": 9,
     "allow_internet_access": False,
@@ -43,7 +43,6 @@ EXPECTED = CreateRequest(
     cpu_count=3,
     memory_mb=768,
     auto_pause=True,
-    auto_pause_memory=False,
     auto_resume=True,
     egress=EgressPolicy(
         allow_internet=False,
@@ -95,13 +94,32 @@ def test_each_option_alone_changes_the_request(
 def test_every_request_field_a_client_may_set_has_a_body_option() -> None:
     # All but template_id (named by each body its own way) differ from the defaults above,
     # so a field added to CreateRequest fails here until a body sets it.
+    # auto_pause_memory too: E2B refuses its non-default with autoResume (tested below).
     default = CreateRequest()
     unset = [
         f.name
         for f in dataclasses.fields(CreateRequest)
         if f.name != "template_id" and getattr(EXPECTED, f.name) == getattr(default, f.name)
     ]
-    assert unset == []
+    assert unset == ["auto_pause_memory"]
+
+
+@pytest.mark.parametrize(("model", "source", "template"), SOURCES)
+def test_a_filesystem_only_auto_pause_and_its_refusals(
+    model: type[SandboxOptions], source: dict[str, Any], template: str
+) -> None:
+    """SDK `lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}}` reaches the
+    request; E2B refuses it without autoPause and with autoResume (traffic cannot wake a
+    filesystem-only pause: it must be resumed explicitly)."""
+    fs_only = {**source, "autoPause": True, "autoPauseMemory": False}
+    req = request_of(model.model_validate(fs_only))
+    assert req.auto_pause and not req.auto_pause_memory and not req.auto_resume
+    with pytest.raises(BadRequest, match="only applies when autoPause is true"):
+        request_of(model.model_validate({**source, "autoPauseMemory": False}))
+    with pytest.raises(BadRequest, match="cannot be combined with autoResume"):
+        request_of(model.model_validate({**fs_only, "autoResume": {"enabled": True}}))
+    # autoResume without an auto-pause is E2B's too: it wakes a sandbox paused by its user.
+    assert request_of(model.model_validate({**source, "autoResume": {"enabled": True}})).auto_resume
 
 
 def test_the_options_are_the_same_fields_in_every_body() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import stat
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 
 from aenv.envd import files, httpserver, rpc, state
 from aenv.envd.__main__ import parse_args
-from aenv.envd.filesystem import go_perm_string
+from aenv.envd.filesystem import entry_size, go_perm_string
 from aenv.envd.inotify import IN_ATTRIB, IN_CREATE, IN_DELETE, IN_MODIFY, IN_MOVED_FROM, event_type
 from aenv.envd.server import _parse_ts
 
@@ -93,6 +94,24 @@ def test_perm_string() -> None:
     assert go_perm_string(stat.S_IFDIR | 0o755) == "drwxr-xr-x"
     assert go_perm_string(stat.S_IFLNK | 0o777) == "Lrwxrwxrwx"
     assert go_perm_string(stat.S_IFDIR | stat.S_ISVTX | 0o777) == "dtrwxrwxrwx"
+
+
+def _stat(mode: int, size: int, blksize: int) -> os.stat_result:
+    # st_blksize is an attribute past the ten indexable fields: build it the long way.
+    return os.stat_result((mode, 1, 1, 1, 0, 0, size, 0, 0, 0), {"st_blksize": blksize})
+
+
+def test_entry_size_of_directories() -> None:
+    """A directory reports whole blocks, at least one, whatever its filesystem says (btrfs:
+    0 when empty; ext4: 4096), as E2B's `test_get_info_of_directory` expects; files as they
+    are."""
+    assert entry_size(_stat(stat.S_IFDIR | 0o755, 0, 4096)) == 4096  # btrfs, empty
+    assert entry_size(_stat(stat.S_IFDIR | 0o755, 38, 4096)) == 4096  # btrfs, a few names
+    assert entry_size(_stat(stat.S_IFDIR | 0o755, 4096, 4096)) == 4096  # ext4
+    assert entry_size(_stat(stat.S_IFDIR | 0o755, 12288, 4096)) == 12288
+    assert entry_size(_stat(stat.S_IFDIR | 0o755, 0, 0)) == 4096  # no block size given
+    assert entry_size(_stat(stat.S_IFREG | 0o644, 0, 4096)) == 0
+    assert entry_size(_stat(stat.S_IFREG | 0o644, 5, 4096)) == 5
 
 
 def test_timestamp_and_parse() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,30 @@ async def test_proxy_resolve_resumes_only_with_auto_resume(node: Harness) -> Non
     up = await node.orch.pauser.resolve(auto.sandbox_id, 8080)
     assert up.port == 8080 and up.host == node.orch.table.get(auto.sandbox_id).address
     assert node.orch.table.get(auto.sandbox_id).state is SandboxState.RUNNING
+
+
+async def test_an_auto_resume_gives_the_create_timeout_again(node: Harness) -> None:
+    """As E2B documents: a sandbox woken by traffic runs for the timeout it was created with,
+    from the resume, at least five minutes; a filesystem-only pause is never woken by
+    traffic (its processes are gone: it is resumed only when asked)."""
+    long = await node.orch.sandboxes.create(CreateRequest(auto_resume=True, timeout=900))
+    short = await node.orch.sandboxes.create(CreateRequest(auto_resume=True, timeout=30))
+    files = await node.orch.sandboxes.create(CreateRequest(auto_resume=True, timeout=900))
+    for r in (long, short):
+        await node.orch.pauser.pause(r.sandbox_id)
+    await node.orch.pauser.pause(files.sandbox_id, memory=False)
+    node.clock.advance(20)
+    for r, ttl in ((long, 900), (short, 300)):
+        await node.orch.pauser.resolve(r.sandbox_id, 8080)
+        back = node.orch.table.get(r.sandbox_id)
+        assert back.state is SandboxState.RUNNING
+        assert back.end_at == node.clock.now + timedelta(seconds=ttl)
+    with pytest.raises(SandboxNotFound) as refused:
+        await node.orch.pauser.resolve(files.sandbox_id, 8080)
+    assert refused.value.state == "paused"
+    assert node.orch.table.get(files.sandbox_id).tier is PauseTier.FILES
+    back, resumed = await node.orch.pauser.connect(files.sandbox_id, 60)
+    assert resumed and back.state is SandboxState.RUNNING
 
 
 # ---------------------------------------------------------------------------- restarts

@@ -9,15 +9,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import socket
+import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 import pytest_asyncio
+from prometheus_client import CollectorRegistry
 
 from aenv.domain import Upstream
 from aenv.proxy import ConnectionPool, HttpForwarder, SandboxRouter
+from aenv.telemetry import HttpMetrics, HttpMetricsMiddleware
 from tests.unit.proxy_env import ENVD, Env, MiB, _no_control_app, _pattern, proxy_servers, serve
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -271,3 +275,42 @@ async def test_upstream_garbage_is_502() -> None:
     async with raw_upstream_router(garbage) as url, httpx.AsyncClient(trust_env=False) as c:
         r = await c.get(url, headers={"e2b-sandbox-id": "s"})
     assert r.status_code == 502 and r.json()["code"] == 502
+
+
+async def test_an_upstream_reset_mid_body_resets_the_client() -> None:
+    """An upstream that resets its connection mid-body (a node behind a gateway whose sandbox
+    was killed mid-stream) resets the client's too, not a clean close: the SDKs read a reset
+    as the connection lost, then probe the sandbox and report it killed."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+
+    async def resolver(sandbox_id: str, p: int, token: str | None) -> Upstream:
+        return Upstream("127.0.0.1", port)
+
+    router = SandboxRouter(_no_control_app, resolver, [])
+    # As a node and a gateway serve it: behind the metrics middleware, which wraps `send`.
+    app = HttpMetricsMiddleware(router, HttpMetrics(CollectorRegistry()))
+    try:
+        async with serve(app) as proxy_port, httpx.AsyncClient(trust_env=False) as c:
+            url = f"http://127.0.0.1:{proxy_port}/"
+            async with c.stream("GET", url, headers={"e2b-sandbox-id": "s"}) as r:
+                got = b""
+                with pytest.raises(httpx.ReadError) as ei:
+                    async for part in r.aiter_raw():
+                        got += part
+                # A clean close would be httpx.RemoteProtocolError (an incomplete body).
+                assert got == b"hello" and not isinstance(ei.value, httpx.RemoteProtocolError)
+    finally:
+        await router.aclose()
+        server.close()

@@ -86,4 +86,12 @@ def test_what_is_written_reads_back_and_keeps_the_old_keys(
         # Every key an older node reads is still there with its value (a cold start's
         # image, transient and read by no one, is kept as its reference).
         kept = {k: v for k, v in old.items() if v is not None and k != "image"}
-        assert {k: new.get(k) for k in kept} == kept, template_id
+        assert {k: _within(new.get(k), v) for k, v in kept.items()} == kept, template_id
+
+
+def _within(new: Any, old: Any) -> Any:
+    """`new` cut to the keys `old` has, nested (a key a later version added to a nested
+    record, such as a hibernated sandbox's, is nothing an older node reads)."""
+    if isinstance(new, dict) and isinstance(old, dict):
+        return {k: _within(new.get(k), v) for k, v in old.items()}
+    return new

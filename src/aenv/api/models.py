@@ -163,8 +163,22 @@ class SandboxOptions(_Request):
         default=None, alias="volumeMounts", max_length=16
     )
 
+    def check_lifecycle(self) -> None:
+        """E2B's rules for the on-timeout action (SDK `lifecycle`): a filesystem-only
+        auto-pause (`autoPauseMemory: false`) needs `autoPause`, and cannot be woken by
+        traffic (a cold boot must be asked for), so not with `autoResume`."""
+        if self.auto_pause_memory is False and not self.auto_pause:
+            raise BadRequest("autoPauseMemory=false only applies when autoPause is true.")
+        if self.auto_pause_memory is False and self.auto_resume and self.auto_resume.enabled:
+            raise BadRequest(
+                "autoPauseMemory=false (filesystem-only auto-pause) cannot be combined with "
+                "autoResume: a filesystem-only snapshot cannot be auto-resumed by traffic and "
+                "must be resumed explicitly."
+            )
+
     def to_request(self, owner: str | None, template_id: str = DEFAULT_TEMPLATE) -> CreateRequest:
         """The orchestrator's request (`owner`: the API key's name, whose quota applies)."""
+        self.check_lifecycle()
         network = self.network or NetworkConfig()
         return CreateRequest(
             template_id=template_id,

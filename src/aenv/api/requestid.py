@@ -50,6 +50,8 @@ class RequestId:
                 message = {**message, "headers": [*headers, (HEADER.encode(), rid.encode())]}
             await send(message)
 
+        # Behind this wrapper the proxy still finds the server's `send` (reset_client).
+        send_with_id.__wrapped__ = send  # type: ignore[attr-defined]
         try:
             await self.app(scope, receive, send_with_id)
         finally:

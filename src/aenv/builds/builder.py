@@ -22,12 +22,15 @@ from ..config import Settings
 from ..domain import DEFAULT_TEMPLATE, TemplateKind, new_id
 from ..errors import AenvError, BadRequest, Conflict, NotFound
 from ..orchestrator import Orchestrator
+from . import tag_history
+from .autobuild import CodeInterpreterAutobuild
 from .files import BuildFiles
 from .finalize import READY_TIMEOUT, finalize
 from .images import Images
 from .job import BUILD_PIN, META_BUILD, ActiveBuild, BuildFailed, BuildJob
 from .spec import parse_spec
 from .store import LEVELS, BuildReason, BuildRecord, BuildStore, LogEntry
+from .tag_history import AssignmentEvent
 from .tags import DEFAULT_TAG, Tags, check_tags, owner_of, split_name
 
 log = logging.getLogger("aenv.builds")
@@ -54,6 +57,7 @@ class Builder:
         self.ready_timeout = ready_timeout
         self._active: dict[str, ActiveBuild] = {}
         self._sem = asyncio.Semaphore(max(1, concurrency))
+        self.autobuild = CodeInterpreterAutobuild(settings)
 
     # ------------------------------------------------------------------ node lifecycle
     async def start(self) -> None:
@@ -61,6 +65,7 @@ class Builder:
             await self._cleanup()
         except Exception:
             log.exception("cleaning up after the builds of an earlier server process failed")
+        self.autobuild.start()
 
     async def _cleanup(self) -> None:
         """Ends what a previous server process left: unfinished builds, their sandboxes,
@@ -81,6 +86,7 @@ class Builder:
                 await self.images.unregister(t.template_id)
 
     async def close(self) -> None:
+        await self.autobuild.close()
         tasks = [ab.task for ab in self._active.values() if ab.task and not ab.task.done()]
         for t in tasks:
             t.cancel()
@@ -170,6 +176,14 @@ class Builder:
             for t in b.tags or [DEFAULT_TAG]:
                 out[t] = (b.build_id, b.created)
         return [(t, bid, at) for t, (bid, at) in out.items()]
+
+    async def tag_events(self, id_or_name: str) -> list[AssignmentEvent]:
+        """The ready assignments of a template's tags, newest first (tag_history.py)."""
+        tid = await self.template_of(id_or_name)
+        rows = await self.tags.rows(tid)
+        recorded = await asyncio.to_thread(self.store.assignments, tid)
+        builds = await asyncio.to_thread(self.store.for_template, tid)
+        return tag_history.events(tid, rows, recorded, builds, await self.tags.records(tid))
 
     async def assign_tags(self, target: str, tags: list[str]) -> tuple[str, list[str]]:
         """`target` is `name:tag` (or `name`, its default build); returns (build id, tags)."""

@@ -3,6 +3,8 @@
 Calls are small and synchronous; the builder runs them in a worker thread where it matters.
 Log entries are numbered per build (`seq` from 0), which is what `logsOffset` counts.
 Template tags (`template_tags`) point at ready builds; tags.py keeps the catalog in step.
+Every assignment of a tag is also recorded (`tag_assignments`), newest last, for E2B's
+assignment history; removing a tag removes its history.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +48,14 @@ CREATE TABLE IF NOT EXISTS template_tags (
     created     REAL NOT NULL,
     PRIMARY KEY (template_id, tag)
 );
+CREATE TABLE IF NOT EXISTS tag_assignments (
+    assignment_id TEXT PRIMARY KEY,
+    template_id   TEXT NOT NULL,
+    tag           TEXT NOT NULL,
+    build_id      TEXT NOT NULL,
+    assigned      REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS tag_assignments_tag ON tag_assignments (template_id, tag, assigned);
 CREATE TABLE IF NOT EXISTS step_cache (
     key       TEXT PRIMARY KEY,
     layer     TEXT NOT NULL,
@@ -72,6 +83,17 @@ class TagRow:
     tag: str
     build_id: str
     created: float
+
+
+@dataclass(frozen=True)
+class TagAssignment:
+    """One time a tag was pointed at a build (E2B's assignment events): a tag's history,
+    kept until the tag is removed."""
+
+    assignment_id: str
+    tag: str
+    build_id: str
+    assigned: float
 
 
 @dataclass
@@ -225,6 +247,7 @@ class BuildStore:
             self._db.executemany("DELETE FROM build_logs WHERE build_id=?", [(i,) for i in ids])
             self._db.execute("DELETE FROM builds WHERE template_id=?", (template_id,))
             self._db.execute("DELETE FROM template_tags WHERE template_id=?", (template_id,))
+            self._db.execute("DELETE FROM tag_assignments WHERE template_id=?", (template_id,))
 
     # --- tags ---
     def tags(self, template_id: str) -> list[TagRow]:
@@ -239,6 +262,7 @@ class BuildStore:
     def set_tags(self, template_id: str, build_id: str, tags: Iterable[str]) -> None:
         """Points `tags` at `build_id` (a tag moved keeps no trace of its earlier build)."""
         now = time.time()
+        tags = list(tags)
         with self._lock:
             self._db.executemany(
                 "INSERT INTO template_tags(template_id, tag, build_id, created) VALUES(?,?,?,?) "
@@ -246,13 +270,26 @@ class BuildStore:
                 "created=excluded.created",
                 [(template_id, t, build_id, now) for t in tags],
             )
+            self._db.executemany(
+                "INSERT INTO tag_assignments(assignment_id, template_id, tag, build_id, assigned)"
+                " VALUES(?,?,?,?,?)",
+                [(str(uuid.uuid4()), template_id, t, build_id, now) for t in tags],
+            )
 
     def remove_tags(self, template_id: str, tags: Iterable[str]) -> None:
+        pairs = [(template_id, t) for t in tags]
         with self._lock:
-            self._db.executemany(
-                "DELETE FROM template_tags WHERE template_id=? AND tag=?",
-                [(template_id, t) for t in tags],
-            )
+            self._db.executemany("DELETE FROM template_tags WHERE template_id=? AND tag=?", pairs)
+            self._db.executemany("DELETE FROM tag_assignments WHERE template_id=? AND tag=?", pairs)
+
+    def assignments(self, template_id: str) -> list[TagAssignment]:
+        """Every recorded assignment of the template's tags, newest first."""
+        rows = self._run(
+            "SELECT assignment_id, tag, build_id, assigned FROM tag_assignments "
+            "WHERE template_id=? ORDER BY assigned DESC, assignment_id",
+            (template_id,),
+        )
+        return [TagAssignment(str(i), str(t), str(b), float(a)) for i, t, b, a in rows]
 
     # --- logs ---
     def add_logs(self, build_id: str, entries: list[LogEntry]) -> None:

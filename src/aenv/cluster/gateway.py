@@ -41,6 +41,7 @@ from .forward import NodeClient, NodeError, NodeUnreachable
 from .metrics import GatewayMetrics, route_template
 from .records import NodeRecord
 from .scheduler import Placement, Scheduler
+from .signing import SignerLookup
 from .state import ClusterState
 
 log = logging.getLogger("aenv.cluster")
@@ -53,6 +54,7 @@ _BUILD_FILES = re.compile(r"^/build-files/([^/]+)$")
 _FILES_LINK = re.compile(r"^/templates/([^/]+)/files/([^/]+)$")
 _BUILD_REQUESTS = ("/templates", "/v2/templates", "/v3/templates")
 _RESUMES = ("/connect", "/resume")
+TOTAL_RUNNING = "X-Total-Running"
 # A create a node turns down (full, draining) is tried on this many others.
 CREATE_TRIES = 3
 
@@ -305,7 +307,11 @@ class Gateway:
             desc=order == "desc",
             limit=int(limit) if limit and limit.isdigit() else None,
         )
-        headers = {"x-next-token": token} if token else None
+        headers = {"x-next-token": token} if token else {}
+        # E2B's count of running sandboxes matching the filters: each node's, summed.
+        totals = [a.headers.get(TOTAL_RUNNING) for a in answers if not isinstance(a, BaseException)]
+        if any(t is not None for t in totals):
+            headers[TOTAL_RUNNING] = str(sum(int(t) for t in totals if t and t.isdigit()))
         return JSONResponse(items, headers=headers)
 
     async def _merged_metrics(self, request: Request) -> Response:
@@ -459,4 +465,5 @@ def create_gateway_app(
             raise
         return _upstream(node)
 
-    return GatewayRouter(control, resolve, settings.routing_domains)
+    signed_by = SignerLookup(directory, gateway.nodes, settings.api_key)
+    return GatewayRouter(control, resolve, settings.routing_domains, signed_by=signed_by)

@@ -64,7 +64,13 @@ ROUTE_TEMPLATES = (
     "/v2/templates/{template_id:path}/builds/{build_id}",
     "/templates/{template_id:path}/files/{files_hash}",
     "/templates/{template_id:path}/tags",
+    "/templates/{template_id:path}/tags/count",
+    "/templates/{template_id:path}/tags/exists",
+    "/templates/{template_id:path}/tags/groups",
+    "/templates/{template_id:path}/tags/{tag}/assignments",
     "/templates/{template_id:path}",
+    "/v2/templates/{template_id:path}",
+    "/default-templates",
     "/images/pull",
     "/volumes",
     "/volumes/{volume_id}",
@@ -75,6 +81,7 @@ ROUTE_TEMPLATES = (
     "/secrets/{secret_id}",
     "/cluster/sandboxes/{sandbox_id}/adopt",
     "/cluster/sandboxes/{sandbox_id}/release",
+    "/cluster/signed",
 )
 
 

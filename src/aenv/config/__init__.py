@@ -91,6 +91,9 @@ class Settings(BaseSettings):
     runtime: Literal["gvisor", "fake"] = "gvisor"
     default_timeout: int = 300
     max_timeout: int = 24 * 3600
+    # Build `code-interpreter-v1` in the background at start when it is missing or out of
+    # date, so the stock e2b-code-interpreter SDK works on a fresh node (builds/autobuild.py).
+    code_interpreter_autobuild: bool = True
 
     # Pause: a paused sandbox is frozen at once and hibernated (checkpointed to disk, memory
     # released) after this many idle seconds; 0 hibernates at once.

@@ -69,6 +69,9 @@ class SandboxRecord:
     owner: str | None = None
     # Its own standby setting (None: the node's AENV_STANDBY_AFTER).
     standby_after: float | None = None
+    # The create's timeout in seconds, which an auto-resume gives it again (as E2B does);
+    # None in records written before it was kept.
+    timeout: int | None = None
 
     @property
     def address(self) -> str | None:

@@ -136,6 +136,7 @@ class Booter:
             mask_request_host=req.mask_request_host,
             owner=req.owner,
             standby_after=req.standby_after,
+            timeout=timeout,
             layers=list(template.layers if layers is None else layers),
             upper=str(self.storage.first_upper(sandbox_id)),
             boot=template.boot_info(),

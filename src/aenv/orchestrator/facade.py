@@ -195,11 +195,12 @@ class Orchestrator:
             log.debug("no forward of port %s of %s: %s", port, sandbox_id, e)
             return False
 
-    def signed_by(
+    async def signed_by(
         self, path: str, op: str, user: str, signature: str, exp: str | None
     ) -> str | None:
         """The sandbox whose envd token made a signed file URL's signature, if any: such a
-        URL made against a node address (`E2B_SANDBOX_URL`) names no sandbox."""
+        URL made against a node address (`E2B_SANDBOX_URL`) names no sandbox. Async as the
+        proxy's resolver is (a gateway's asks its nodes this, through the cluster API)."""
         want = signature.encode()
         for r in self.table.all():
             if r.state in LIVE_STATES and r.envd_access_token:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 from .. import crashpoint
+from ..config import Settings
 from ..domain import (
     ENVD_PORT,
     LIVE_STATES,
@@ -51,6 +52,16 @@ PUBLISH_HIBERNATION_AFTER = 5.0
 STANDBY_ROOM_PATIENCE = 30.0
 # Seconds a strict pause (E2B `requireHealthyGuest`) waits for envd's health check.
 GUEST_CHECK_TIMEOUT = 2.0
+# The least timeout an auto-resume gives (E2B's docs: at least five minutes).
+AUTO_RESUME_MIN_TIMEOUT = 300
+
+
+def auto_resume_timeout(r: SandboxRecord, settings: Settings) -> int:
+    """A sandbox woken by traffic runs for the timeout it was created with, counted from the
+    resume and at least five minutes, as on E2B (a record from before the create's timeout
+    was kept: the node's default)."""
+    created = r.timeout if r.timeout is not None else settings.default_timeout
+    return max(AUTO_RESUME_MIN_TIMEOUT, created)
 
 
 @dataclass
@@ -446,9 +457,11 @@ class Pauser:
         if r.in_standby_on_disk:
             await self._connect(sandbox_id, None)
         elif r.state is not SandboxState.RUNNING:
-            if not r.auto_resume:
+            # E2B: a filesystem-only pause is resumed only when asked (a cold boot loses
+            # the processes), never by traffic.
+            if not r.auto_resume or r.tier is PauseTier.FILES:
                 raise SandboxNotFound(sandbox_id, state="paused")
-            await self._connect(sandbox_id, max(300, self.ctx.settings.default_timeout))
+            await self._connect(sandbox_id, auto_resume_timeout(r, self.ctx.settings))
         if r.address is None:
             raise SandboxNotFound(sandbox_id)
         mask = r.mask_request_host

@@ -63,6 +63,7 @@ class WarmPool:
         w.metadata = dict(req.metadata)
         w.owner = req.owner
         w.standby_after = req.standby_after
+        w.timeout = timeout
         w.env_vars = dict(req.env_vars)
         held, w.envd_access_token = w.envd_access_token, envd_token()
         w.auto_pause, w.auto_pause_memory = req.auto_pause, req.auto_pause_memory

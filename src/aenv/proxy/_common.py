@@ -131,8 +131,15 @@ def reset_client(send: Send) -> bool:
     HTTP stack), a reset as the connection lost, which is what they probe the sandbox's
     health on (and then report it killed). ASGI has no message for this: uvicorn's `send` is
     a bound method of its per-request cycle, which holds the transport. False elsewhere (the
-    caller's clean close stands)."""
-    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    caller's clean close stands). A middleware that wraps `send` marks its wrapper with
+    `__wrapped__` (functools' convention), which is followed here: without it
+    the node's metrics middleware hid the transport and every reset became a clean close."""
+    inner: Any = send
+    for _ in range(8):  # a few middlewares deep at most
+        if hasattr(inner, "__self__") or not hasattr(inner, "__wrapped__"):
+            break
+        inner = inner.__wrapped__
+    transport = getattr(getattr(inner, "__self__", None), "transport", None)
     # Duck-typed: uvloop's transports are not asyncio.BaseTransport subclasses.
     abort = getattr(transport, "abort", None)
     get_extra_info = getattr(transport, "get_extra_info", None)

@@ -73,7 +73,8 @@ INTERNAL_ENVD_PATHS = frozenset({"/init", "/envs", "/metrics", "/logs", "/forwar
 # (sandbox id, port, the client's traffic token or None) -> where to send the request.
 Resolver = Callable[[str, int, str | None], Awaitable[Upstream]]
 # (path, "read"|"write", username, signature, expiration or None) -> the sandbox that signed.
-SignatureResolver = Callable[[str, str, str, str, str | None], str | None]
+# Awaited: a gateway asks its nodes, which hold the sandboxes' tokens.
+SignatureResolver = Callable[[str, str, str, str, str | None], Awaitable[str | None]]
 TRAFFIC_TOKEN_HEADER = b"e2b-traffic-access-token"
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
@@ -188,10 +189,8 @@ class SandboxRouter:
             found = self._host_route(host.decode("latin-1"))
             if found is not None:
                 return found
-        if self.signed_by is not None and scope["path"] in ("/files", "/proxy/files"):
-            found = self._signed_route(scope)
-            if found is not None:
-                return found
+        if self._signed(scope):
+            return None  # resolved by `find_route`, which may wait for the signer
         if _has_proxy_prefix(scope["path"]):
             raise BadRequest(
                 "missing sandbox routing header (e2b-sandbox-id or x-agentenv-sandbox-id)"
@@ -219,17 +218,32 @@ class SandboxRouter:
             return Route(_sandbox_id(sandbox), _port(port_text))
         return None
 
-    def _signed_route(self, scope: Scope) -> Route | None:
+    async def find_route(self, scope: Scope) -> Route | None:
+        """`route`, and for a signed file URL the sandbox that signed it."""
+        found = self.route(scope)
+        if found is None and self._signed(scope):
+            return await self._signed_route(scope)
+        return found
+
+    def _signed(self, scope: Scope) -> bool:
+        """Whether the request is a signed file URL that names no sandbox (headers and host
+        name none: `route` looked at them first)."""
+        if self.signed_by is None or scope["path"] not in ("/files", "/proxy/files"):
+            return False
+        if scope.get("method") not in ("GET", "POST"):
+            return False
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        return bool(query.get("signature", [""])[0])
+
+    async def _signed_route(self, scope: Scope) -> Route:
         """A signed file URL made against the node's own address (E2B_SANDBOX_URL) names no
         sandbox: the sandbox whose token signed it is the one. A signature no sandbox made is
         refused as envd refuses a bad one (401)."""
         assert self.signed_by is not None
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-        signature = query.get("signature", [""])[0]
-        if not signature or scope["method"] not in ("GET", "POST"):
-            return None
+        signature = query["signature"][0]
         expiration = query.get("signature_expiration", [None])[0]
-        sandbox_id = self.signed_by(
+        sandbox_id = await self.signed_by(
             query.get("path", [""])[0],
             "read" if scope["method"] == "GET" else "write",
             query.get("username", [""])[0],
@@ -246,7 +260,7 @@ class SandboxRouter:
         kind = scope["type"]
         if kind == "http" or kind == "websocket":
             try:
-                route = self.route(scope)
+                route = await self.find_route(scope)
             except AenvError as exc:
                 await self._error(scope, send, exc.status, exc.to_json())
                 return

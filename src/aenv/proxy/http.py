@@ -16,7 +16,9 @@ about 1.2 ms (p50; p99 over 10 ms) and served a small fraction of the throughput
 - A connect timeout, no read timeout: streams may sit idle for minutes.
 - A client that goes away aborts the upstream connection, so the sandbox sees the request end.
   An upstream that breaks off mid-body makes the client connection close (a truncated body is
-  never presented as a complete one).
+  never presented as a complete one); one that resets it, or a sandbox that stopped, resets
+  the client's. The reset is what the SDKs read as the connection lost (they then probe the
+  sandbox and report it killed), and a gateway in front of a node passes the node's on.
 - Hop-by-hop headers (and those named by `Connection`) are dropped both ways; `Expect` is
   answered by the ASGI server, so it is not forwarded; 1xx interim responses are not relayed.
   Everything else passes unchanged, `Host` included (see dispatch.py).
@@ -447,11 +449,14 @@ class _Exchange:
         ) as exc:
             if not self.client_gone:
                 # Returning without finishing makes the ASGI server cut the client connection,
-                # which is how a truncated body is signalled; a sandbox that is gone resets it.
-                if conn.dropped:
+                # which is how a truncated body is signalled; a sandbox that is gone resets it,
+                # and so does an upstream that reset ours (a node behind a gateway that reset
+                # the stream of a sandbox it stopped: the client must learn it the same way).
+                reset = conn.dropped or isinstance(exc, ConnectionResetError)
+                if reset:
                     reset_client(self.send)
                 log.log(
-                    logging.INFO if conn.dropped else logging.WARNING,
+                    logging.INFO if reset else logging.WARNING,
                     "proxy: sandbox %s port %s: upstream response broken off: %s",
                     self.target.sandbox_id,
                     self.target.sandbox_port,

@@ -1,5 +1,7 @@
 """What gateways ask a node besides the E2B API: drain (E2B's `POST /nodes/{nodeID}` with a
-status), and moving a hibernated sandbox between nodes (release here, adopt there)."""
+status), moving a hibernated sandbox between nodes (release here, adopt there), and which
+sandbox of this node signed a file URL (a signed URL made against the gateway's address names
+no sandbox, and only the node holds the envd tokens that sign)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,20 @@ class Adopted(BaseModel):
     state: str
 
 
+class SignedQuery(BaseModel):
+    """A signed file URL's parts, as envd checks them."""
+
+    path: str = Field(max_length=4096)
+    operation: Literal["read", "write"]
+    username: str = Field(default="", max_length=256)
+    signature: str = Field(min_length=1, max_length=256)
+    expiration: str | None = Field(default=None, max_length=32)
+
+
+class Signer(BaseModel):
+    sandboxID: str
+
+
 @router.post("/nodes/{node_id}", summary="Drain a node, or make it take sandboxes again")
 async def set_node_status(
     node_id: str, change: NodeStatusChange, orchestrator: OrchestratorDep
@@ -80,3 +96,11 @@ async def release(sandbox_id: str, orchestrator: OrchestratorDep) -> Released:
 async def adopt(sandbox_id: str, req: AdoptRequest, orchestrator: OrchestratorDep) -> Adopted:
     r = await orchestrator.mover.adopt(sandbox_id, req.image)
     return Adopted(sandboxID=r.sandbox_id, state=r.state.value)
+
+
+@router.post("/cluster/signed", summary="The sandbox of this node that signed a file URL")
+async def signed(q: SignedQuery, orchestrator: OrchestratorDep) -> Signer:
+    found = await orchestrator.signed_by(q.path, q.operation, q.username, q.signature, q.expiration)
+    if found is None:
+        raise NotFound("no sandbox of this node signed it")
+    return Signer(sandboxID=found)

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from pydantic import BeforeValidator
 
+from aenv.builds.builder import Builder
 from aenv.config import Settings
 from aenv.domain import SandboxRecord, Timings
 from aenv.errors import Conflict, NotFound
@@ -41,12 +42,16 @@ from ..models import (
     api_state,
     check_secrets,
 )
+from .builds import BuilderDep
 
 router = APIRouter(
     tags=["sandboxes"], dependencies=[Depends(require_api_key)], responses=LIFECYCLE_ERRORS
 )
 
 NEXT_TOKEN_HEADER = "x-next-token"
+# Running sandboxes matching a v2 listing's filters, before paging; only when running ones
+# were asked for (E2B's XTotalRunning).
+TOTAL_RUNNING_HEADER = "X-Total-Running"
 SERVER_TIMING_HEADER = "Server-Timing"
 
 
@@ -91,6 +96,7 @@ async def _create(
     settings: Settings,
     idempotency: IdempotencyCache,
     secrets: SecretStore,
+    builder: Builder,
 ) -> Sandbox:
     check_timeout(body.timeout, settings)
     key = validate_key(key)
@@ -99,7 +105,12 @@ async def _create(
 
     async def create() -> tuple[Sandbox, str]:
         timings = Timings()
-        record = await orchestrator.sandboxes.create(req, timings=timings)
+        # The code interpreter's template may be in its first build (builds/autobuild.py).
+        await builder.autobuild.before_create(req.template_id)
+        try:
+            record = await orchestrator.sandboxes.create(req, timings=timings)
+        except NotFound as e:
+            raise builder.autobuild.explain_missing(e, req.template_id) from None
         return Sandbox.from_record(record, settings.domain), timings.header()
 
     sandbox, timing = await idempotency.run(key, create)
@@ -123,6 +134,7 @@ async def create_sandbox_v1(
     settings: SettingsDep,
     idempotency: IdempotencyDep,
     secrets: SecretsDep,
+    builder: BuilderDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Sandbox:
     # `secure` is accepted and ignored: every sandbox's envd wants its access token.
@@ -135,6 +147,7 @@ async def create_sandbox_v1(
         settings=settings,
         idempotency=idempotency,
         secrets=secrets,
+        builder=builder,
     )
 
 
@@ -147,6 +160,7 @@ async def create_sandbox_v2(
     settings: SettingsDep,
     idempotency: IdempotencyDep,
     secrets: SecretsDep,
+    builder: BuilderDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Sandbox:
     return await _create(
@@ -158,6 +172,7 @@ async def create_sandbox_v2(
         settings=settings,
         idempotency=idempotency,
         secrets=secrets,
+        builder=builder,
     )
 
 
@@ -205,6 +220,9 @@ async def list_sandboxes_v2(
     page, token = paginate([r for r, _ in visible], order=order, limit=limit, cursor=cursor)
     if token:
         response.headers[NEXT_TOKEN_HEADER] = token
+    if "running" in wanted:
+        running = sum(1 for s in states.values() if s == "running")
+        response.headers[TOTAL_RUNNING_HEADER] = str(running)
     return [ListedSandbox.from_record(r, states[r.sandbox_id]) for r in page]
 
 

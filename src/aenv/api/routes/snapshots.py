@@ -227,6 +227,23 @@ async def list_templates(orchestrator: OrchestratorDep, builder: BuilderDep) -> 
     return out
 
 
+# The templates every node makes itself (E2B's default templates are its public ones: the
+# base image and the code interpreter's).
+DEFAULT_TEMPLATES = ("base", "code-interpreter-v1")
+
+
+@router.get("/default-templates", summary="List the templates every node provides")
+async def default_templates(orchestrator: OrchestratorDep) -> list[TemplateInfo]:
+    out = []
+    for name in DEFAULT_TEMPLATES:
+        found = await orchestrator.templates.find(name)
+        if found is not None and not found.internal and found.template_id == name:
+            info = TemplateInfo.of(found)
+            info.public = True
+            out.append(info)
+    return out
+
+
 @router.get("/v2/templates", summary="List templates (paginated)")
 async def list_templates_v2(
     response: Response,
@@ -307,6 +324,22 @@ async def update_template(
     if "standby_after" in body.model_fields_set:
         rec = await orchestrator.templates.set_standby(found.template_id, body.standby_after)
     return {"templateID": owner_of(rec), "standbyAfter": rec.standby_after}
+
+
+class TemplateUpdated(_Response):
+    """E2B's `TemplateUpdateResponse`: the template's names."""
+
+    names: list[str]
+
+
+@router.patch("/v2/templates/{template_id:path}", summary="Update a template's settings (v2)")
+async def update_template_v2(
+    template_id: str, body: TemplateUpdate, orchestrator: OrchestratorDep
+) -> TemplateUpdated:
+    await update_template(template_id, body, orchestrator)
+    found = await orchestrator.templates.find(template_id)
+    assert found is not None  # update_template found it
+    return TemplateUpdated(names=TemplateInfo.of(found).names)
 
 
 @router.delete(
