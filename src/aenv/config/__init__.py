@@ -155,6 +155,17 @@ class Settings(BaseSettings):
     # past the mount's limit is then squashed before it boots).
     squash_layers: int = 16
 
+    # Lifecycle events (docs/events.md): kept this many days (E2B keeps 7), then forgotten.
+    events_retention_days: float = Field(default=7.0, gt=0)
+    # Events waiting for one webhook at most (a receiver down for long): past it the
+    # oldest are dropped, counted (`aenv_webhook_deliveries_total{outcome="dropped"}`).
+    webhook_backlog: int = Field(default=10000, ge=1)
+    # A delivery's timeout, and its retries' backoff: doubling from `webhook_backoff`
+    # seconds up to `webhook_backoff_max`, for as long as the event is kept.
+    webhook_timeout: float = Field(default=10.0, gt=0)
+    webhook_backoff: float = Field(default=1.0, gt=0)
+    webhook_backoff_max: float = Field(default=300.0, gt=0)
+
     # runtime
     runsc: str = "runsc"
     runsc_platform: str = "systrap"
@@ -348,6 +359,10 @@ class Settings(BaseSettings):
     @property
     def catalog_path(self) -> Path:
         return self.home / "catalog.db"
+
+    @property
+    def events_path(self) -> Path:
+        return self.home / "events.db"
 
     @property
     def secrets_dir(self) -> Path:

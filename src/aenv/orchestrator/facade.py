@@ -14,6 +14,7 @@ waking an idle sandbox first). The parts, as exposed:
     metrics         sampled CPU/memory/disk per sandbox          (metrics.py)
     sampler         the periodic sampling round, naps follow it  (sampling.py)
     logs            node events + envd's journal per sandbox     (logs.py)
+    events          lifecycle events, webhooks and their delivery (events.py)
     idle            naps and standby of idle sandboxes           (idle.py)
     liveness        sandboxes whose runtime died                 (liveness.py)
     stats           node view, operation counters, Prometheus    (nodeinfo.py)
@@ -51,6 +52,7 @@ from .catalog import Catalog
 from .context import Clock, NodeContext
 from .durable import Durable
 from .envd_pool import EnvdPool
+from .events import Events
 from .fork import Forker
 from .idle import IdleTracker
 from .liveness import Liveness
@@ -88,6 +90,7 @@ class Orchestrator:
     templates: Final[TemplateRegistry]
     volumes: Final[Volumes]
     logs: Final[SandboxLogs]
+    events: Final[Events]
     stats: Final[NodeStats]
     snapshotter: Final[Snapshotter]
     pauser: Final[Pauser]
@@ -136,33 +139,35 @@ class Orchestrator:
         )
         stats.node_id = settings.cluster_node_id
         stats.service_instance_id = ctx.run_id
+        self.events = events = Events(ctx, stats.registry)
         booter = Booter(ctx, table, runtime, storage, envd, bundle, store)
         self.snapshotter = snapshotter = Snapshotter(
-            ctx, table, booter, runtime, templates, stats, logs
+            ctx, table, booter, runtime, templates, stats, logs, events
         )
         self._boot_snapshots = boot = BootSnapshots(ctx, table, booter, snapshotter, templates)
-        self.pauser = pauser = Pauser(ctx, table, booter, runtime, templates, stats, logs)
+        self.pauser = pauser = Pauser(ctx, table, booter, runtime, templates, stats, logs, events)
         # Made after the Pauser it uses: the parts made before it reach it through `ctx`.
         self.idle = idle = IdleTracker(ctx, table, runtime, pauser)
         pool = WarmPool(ctx, table, booter, templates, boot, idle)
         self.sandboxes = sandboxes = Sandboxes(
-            ctx, table, booter, templates, pool, boot, runtime, storage, store, logs, stats
+            ctx, table, booter, templates, pool, boot, runtime, storage, store, logs, stats, events
         )
-        self.forker = Forker(ctx, table, snapshotter, sandboxes, templates, stats, logs)
-        self.liveness = liveness = Liveness(table, runtime, booter)
-        recovery = Recovery(ctx, table, runtime, booter, storage, templates)
+        self.forker = Forker(ctx, table, snapshotter, sandboxes, templates, stats, logs, events)
+        self.liveness = liveness = Liveness(table, runtime, booter, events)
+        recovery = Recovery(ctx, table, runtime, booter, storage, templates, events)
         self.node = Node(
             ctx, table, runtime, templates, sandboxes, pauser, pool, envd, liveness, recovery
         )
         self.metrics = metrics = SandboxMetrics(ctx, table, runtime, storage)
         self.sampler = Sampler(table, metrics, idle, logs)
-        OomGuard(ctx, table, runtime, envd, logs, stats)
-        self.mover = Mover(ctx, table, booter, pauser, templates, storage)
+        OomGuard(ctx, table, runtime, envd, logs, stats, events)
+        self.mover = Mover(ctx, table, booter, pauser, templates, storage, events)
 
     async def start(self, *, timers: bool = True) -> None:
         """Recovers what a previous run left and starts the timers and the sampler
         (`timers=False`: the caller drives `node.tick` and `sampler.round`, as the state
-        machine's tests do)."""
+        machine's tests do). Events first: recovery records sandboxes it lost."""
+        await self.events.start(timers=timers)
         await self.node.start(timers=timers)
         if timers:
             self.sampler.start()
@@ -171,6 +176,7 @@ class Orchestrator:
         self.context.closing = True  # the node reports `draining` while it shuts down
         await self.sampler.stop()
         await self.node.close()
+        await self.events.close()
 
     def use_secrets(self, lookup: SecretLookup) -> None:
         """Where the egress path reads the secrets that header transforms name (the

@@ -16,7 +16,9 @@ from dataclasses import dataclass, replace
 from .. import crashpoint
 from ..domain import CreateRequest, PauseTier, SandboxRecord, SandboxState, Timings
 from ..errors import AenvError, BadRequest, Conflict
+from . import eventrecords as ev
 from .context import NodeContext, check_timeout
+from .events import Events
 from .logs import SandboxLogs
 from .nodeinfo import NodeStats
 from .sandboxes import Sandboxes
@@ -44,6 +46,7 @@ class Forker:
     templates: TemplateRegistry
     stats: NodeStats
     logs: SandboxLogs
+    events: Events
 
     async def fork(
         self,
@@ -59,6 +62,14 @@ class Forker:
         with self.stats.observe("fork", sandbox_id):
             children = await self._fork(sandbox_id, count, timeout, timings or Timings())
         self.logs.note(sandbox_id, "sandbox forked", count=count)
+        parent = self.table.find(sandbox_id)
+        if parent is not None:
+            self.events.record(
+                ev.FORKED,
+                parent,
+                count=count,
+                children=[c.sandbox.sandbox_id for c in children if c.sandbox is not None],
+            )
         return children
 
     async def _fork(

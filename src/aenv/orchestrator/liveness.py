@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 from ..domain import PauseTier, SandboxRecord, SandboxState
 from ..runtime.base import Runtime
+from . import eventrecords as ev
 from .boot import Booter
+from .events import Events
 from .table import SandboxTable
 
 log = logging.getLogger("aenv.orchestrator")
@@ -21,6 +23,7 @@ class Liveness:
     table: SandboxTable
     runtime: Runtime
     booter: Booter
+    events: Events
 
     async def sweep(self) -> list[str]:
         """Checks every sandbox that should have live processes; returns the ones found
@@ -50,6 +53,11 @@ class Liveness:
             await self.table.save(r)
             await self.booter.forget(r)
         log.warning("sandbox %s died: %s", r.sandbox_id, cause)
+        # The runtime's cause names the host's OOM kill at the cgroup's limit.
+        reason = ev.KILL_OOM if "memory limit" in cause else ev.KILL_DIED
+        self.events.record(
+            ev.KILLED, r, kill_reason=reason, cause=cause, execution=self.events.execution(r)
+        )
         return True
 
 

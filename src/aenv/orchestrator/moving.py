@@ -17,8 +17,10 @@ from ..domain import (
     SandboxState,
 )
 from ..errors import AenvError, Conflict, NotFound
+from . import eventrecords as ev
 from .boot import Booter
 from .context import NodeContext
+from .events import Events
 from .pausing import Pauser
 from .storage import SandboxStorage
 from .table import SandboxTable
@@ -45,6 +47,7 @@ class Mover:
     pauser: Pauser
     templates: TemplateRegistry
     storage: SandboxStorage
+    events: Events
 
     async def drain(self) -> list[DrainResult]:
         """Takes no more creates and puts every sandbox into the repository (running ones
@@ -116,6 +119,7 @@ class Mover:
             self.table.add(r)
             await self.table.save(r)
         log.info("sandbox %s adopted from the repository (%s)", sandbox_id, image)
+        self.events.record(ev.MOVED, r, node_id=self.ctx.settings.cluster_node_id)
         return r
 
 

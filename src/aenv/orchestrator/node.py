@@ -11,6 +11,7 @@ from ..domain import SandboxRecord, SandboxState
 from ..errors import AenvError
 from ..logctx import sandbox_context
 from ..runtime.base import Runtime
+from . import eventrecords as ev
 from .context import NodeContext
 from .envd_pool import EnvdPool
 from .liveness import Liveness
@@ -87,7 +88,7 @@ class Node:
                 await self.pauser.auto_pause(r.sandbox_id, r.auto_pause_memory)
             else:
                 log.info("sandbox %s timed out: killing", r.sandbox_id)
-                await self.sandboxes.end(r.sandbox_id)
+                await self.sandboxes.end(r.sandbox_id, ev.KILL_TIMEOUT)
         except AenvError as e:
             log.info("timeout handling of %s: %s", r.sandbox_id, e.message)
         except Exception:

@@ -14,8 +14,10 @@ from ..domain import SandboxState
 from ..errors import AenvError
 from ..logctx import sandbox_context
 from ..runtime.base import Instance, Runtime
+from . import eventrecords as ev
 from .context import NodeContext
 from .envd_pool import EnvdPool
+from .events import Events
 from .logs import SandboxLogs
 from .nodeinfo import NodeStats
 from .table import SandboxTable
@@ -32,8 +34,10 @@ class OomGuard:
         envd: EnvdPool,
         logs: SandboxLogs,
         stats: NodeStats,
+        events: Events,
     ) -> None:
         self.ctx, self.table, self.envd, self.logs, self.stats = ctx, table, envd, logs, stats
+        self.events = events
         self._busy: set[str] = set()  # sandboxes with a kill in flight
         runtime.on_memory_pressure(self.pressed)
 
@@ -77,6 +81,14 @@ class OomGuard:
                     cmd=killed.get("cmd"),
                     rssBytes=killed.get("rss_bytes"),
                     memoryMB=r.memory_mb,
+                )
+                self.events.record(
+                    ev.OOM,
+                    r,
+                    pid=killed.get("pid"),
+                    cmd=killed.get("cmd"),
+                    rss_bytes=killed.get("rss_bytes"),
+                    memory_mb=r.memory_mb,
                 )
         finally:
             self._busy.discard(sid)

@@ -37,8 +37,10 @@ from ..domain import (
 from ..errors import Conflict, Forbidden, SandboxNotFound, Unavailable
 from ..logctx import sandbox_context
 from ..runtime.base import Instance, Runtime
+from . import eventrecords as ev
 from .boot import Booter
 from .context import NodeContext, check_timeout
+from .events import Events
 from .logs import SandboxLogs
 from .nodeinfo import NodeStats
 from .table import SandboxTable
@@ -73,6 +75,7 @@ class Pauser:
     templates: TemplateRegistry
     stats: NodeStats
     logs: SandboxLogs
+    events: Events
     _publishing: dict[str, asyncio.Task[bool]] = field(default_factory=dict, init=False)
 
     # ------------------------------------------------------------------ pause
@@ -98,11 +101,26 @@ class Pauser:
                 sandbox_id, memory, timings, require_healthy_guest=require_healthy_guest
             )
         self.logs.note(sandbox_id, "sandbox paused", memory=str(memory).lower())
+        self._paused(sandbox_id, memory)
 
     async def auto_pause(self, sandbox_id: str, memory: bool) -> None:
         """The node's own pause of a sandbox whose timeout ran out (`autoPause`): not
-        counted or logged as a user's."""
+        counted or logged as a user's (its event says `auto_pause`)."""
         await self._pause(sandbox_id, memory)
+        self._paused(sandbox_id, memory, auto=True)
+
+    def _paused(self, sandbox_id: str, memory: bool, *, auto: bool = False) -> None:
+        r = self.table.find(sandbox_id)
+        if r is None:
+            return
+        self.events.record(
+            ev.PAUSED,
+            r,
+            execution=self.events.execution(r),
+            pause_tier=None if r.tier is None else r.tier.value,
+            memory=memory,
+            auto_pause=auto or None,
+        )
 
     async def _pause(
         self,
@@ -381,6 +399,7 @@ class Pauser:
             r, resumed = await self._connect(sandbox_id, timeout, memory, timings)
         if resumed:
             self.logs.note(sandbox_id, "sandbox resumed")
+            self.events.record(ev.RESUMED, r)
         return r, resumed
 
     async def restore_standby(self, sandbox_id: str) -> None:
@@ -461,7 +480,8 @@ class Pauser:
             # the processes), never by traffic.
             if not r.auto_resume or r.tier is PauseTier.FILES:
                 raise SandboxNotFound(sandbox_id, state="paused")
-            await self._connect(sandbox_id, auto_resume_timeout(r, self.ctx.settings))
+            resumed, _ = await self._connect(sandbox_id, auto_resume_timeout(r, self.ctx.settings))
+            self.events.record(ev.RESUMED, resumed, auto_resume=True)
         if r.address is None:
             raise SandboxNotFound(sandbox_id)
         mask = r.mask_request_host

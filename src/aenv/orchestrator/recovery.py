@@ -34,8 +34,10 @@ from ..domain import (
     TemplateKind,
 )
 from ..runtime.base import Runtime
+from . import eventrecords as ev
 from .boot import Booter
 from .context import NodeContext
+from .events import Events
 from .storage import SandboxStorage
 from .table import SandboxTable
 from .templates import TemplateRegistry
@@ -54,6 +56,7 @@ class Recovery:
     booter: Booter
     storage: SandboxStorage
     templates: TemplateRegistry
+    events: Events
     # Containers recovery itself removed (stopped ones kept only for their slot).
     _released: set[str] = field(default_factory=set, init=False)
 
@@ -193,12 +196,15 @@ class Recovery:
         if r.paused is not None and r.paused.image:
             await self.templates.drop_image(r.paused.image)
         log.info("sandbox %s: its kill was cut short; it is gone", r.sandbox_id)
+        # Its killed event was not recorded yet (it is, once a kill is done).
+        self.events.record(ev.KILLED, r, kill_reason=ev.KILL_UNKNOWN)
 
     def _lose(self, r: SandboxRecord, why: str) -> None:
         r.state = SandboxState.LOST
         r.instance = None
         r.note = why
         log.warning("sandbox %s lost across the restart", r.sandbox_id)
+        self.events.record(ev.KILLED, r, kill_reason=ev.KILL_LOST, cause=why)
 
     async def _drop_fork_snapshots(self) -> None:
         for t in await self.templates.all():

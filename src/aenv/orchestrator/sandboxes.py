@@ -26,9 +26,11 @@ from ..logctx import about
 from ..runtime.base import Runtime
 from ..runtime.bundle import MOUNT as ENVD_MOUNT
 from ..volumes import VolumeStore
+from . import eventrecords as ev
 from .boot import Booter
 from .bootsnaps import BootSnapshots
 from .context import NodeContext, check_timeout
+from .events import Events
 from .logs import SandboxLogs
 from .nodeinfo import NodeStats
 from .pool import WarmPool
@@ -54,6 +56,7 @@ class Sandboxes:
     volumes: VolumeStore
     logs: SandboxLogs
     stats: NodeStats
+    events: Events
 
     async def create(
         self, req: CreateRequest, timings: Timings | None = None, *, admitted: bool = False
@@ -70,6 +73,7 @@ class Sandboxes:
             cpuCount=r.cpu_count,
             memoryMB=r.memory_mb,
         )
+        self.events.record(ev.CREATED, r)
         return r
 
     async def _create(self, req: CreateRequest, t: Timings, admitted: bool) -> SandboxRecord:
@@ -185,11 +189,12 @@ class Sandboxes:
         # Out of standby (frozen tasks die only thawed); one on disk is killed there.
         await self.ctx.wake(sandbox_id, restore=False)
         with self.stats.observe("kill", sandbox_id):
-            await self.end(sandbox_id)
+            await self.end(sandbox_id, ev.KILL_REQUEST)
 
-    async def end(self, sandbox_id: str) -> None:
+    async def end(self, sandbox_id: str, reason: str) -> None:
         """Kills the sandbox for the node itself (its timeout ran out, its files exported):
-        not counted as a user's kill, nothing woken."""
+        not counted as a user's kill, nothing woken. `reason`: the killed event's
+        `kill_reason`."""
         r = self.table.find(sandbox_id)
         if r is None or r.state in (*_GONE, SandboxState.CREATING):
             raise NotFound(f"sandbox {sandbox_id!r} not found")
@@ -206,6 +211,7 @@ class Sandboxes:
             await self.booter.forget(r)
             if r.paused is not None and r.paused.image:
                 await self.templates.drop_image(r.paused.image)
+        self.events.record(ev.KILLED, r, kill_reason=reason, execution=self.events.execution(r))
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxRecord:
         self.ctx.touch(sandbox_id)
@@ -213,6 +219,7 @@ class Sandboxes:
         check_timeout(timeout, self.ctx.settings)
         r.end_at = self.ctx.now() + timedelta(seconds=timeout)
         await self.table.save(r)
+        self.events.record(ev.UPDATED, r, set_timeout=ev.iso(r.end_at))
         return r
 
     async def update_network(self, sandbox_id: str, policy: EgressPolicy) -> SandboxRecord:
@@ -233,6 +240,17 @@ class Sandboxes:
             await self.table.save(r)
             if trust and r.instance is not None and r.state is SandboxState.RUNNING:
                 await self.booter.trust_egress_ca(r)
+        self.events.record(
+            ev.UPDATED,
+            r,
+            network_egress={
+                "allowed_cidrs": policy.allow_cidrs,
+                "denied_cidrs": policy.deny_cidrs,
+                "allowed_domains": [e for e in policy.allow_out if e not in policy.allow_cidrs],
+                "denied_domains": [e for e in policy.deny_out if e not in policy.deny_cidrs],
+                "allow_internet_access": policy.allow_internet,
+            },
+        )
         return r
 
     async def refresh(self, sandbox_id: str, duration: int | None) -> SandboxRecord:
@@ -241,8 +259,11 @@ class Sandboxes:
         d = self.ctx.settings.default_timeout if duration is None else duration
         if d < 0 or d > 3600:
             raise BadRequest("duration must be between 0 and 3600 seconds")
-        r.end_at = max(r.end_at, self.ctx.now() + timedelta(seconds=d))
+        end_at = max(r.end_at, self.ctx.now() + timedelta(seconds=d))
+        changed, r.end_at = end_at != r.end_at, end_at
         await self.table.save(r)
+        if changed:
+            self.events.record(ev.UPDATED, r, set_timeout=ev.iso(r.end_at))
         return r
 
     async def export_layers(self, sandbox_id: str) -> builtins.list[str]:
@@ -259,5 +280,5 @@ class Sandboxes:
             digest = await asyncio.to_thread(self.storage.seal, Path(r.upper), r.sandbox_id)
             layers = [digest, *r.layers]
             r.upper = None
-        await self.end(sandbox_id)
+        await self.end(sandbox_id, ev.KILL_BUILD)
         return layers

@@ -35,8 +35,10 @@ from ..domain import (
 from ..errors import BadRequest, Conflict
 from ..images.layers import LayerError
 from ..runtime.base import Runtime
+from . import eventrecords as ev
 from .boot import Booter
 from .context import NodeContext
+from .events import Events
 from .logs import SandboxLogs
 from .nodeinfo import NodeStats
 from .table import SandboxTable
@@ -57,6 +59,7 @@ class Snapshotter:
     templates: TemplateRegistry
     stats: NodeStats
     logs: SandboxLogs
+    events: Events
 
     async def snapshot(
         self,
@@ -90,6 +93,14 @@ class Snapshotter:
             )
         if not internal:
             self.logs.note(sandbox_id, "snapshot taken", snapshotID=rec.template_id)
+            r = self.table.find(sandbox_id)
+            if r is not None:
+                self.events.record(
+                    ev.CHECKPOINTED,
+                    r,
+                    snapshot_id=rec.template_id,
+                    mode="full" if memory else "filesystem",
+                )
         return rec
 
     async def _snapshot(
