@@ -28,6 +28,7 @@ from .routes import (
     builds,
     cluster,
     docs,
+    events,
     health,
     images,
     observability,
@@ -85,6 +86,7 @@ def create_control_app(
     app.include_router(volumes.content_router)
     app.include_router(secrets_routes.router)
     app.include_router(cluster.router)
+    app.include_router(events.router)
     install_console(app)  # the web console at /console/ (public page, API calls keyed)
     return app
 

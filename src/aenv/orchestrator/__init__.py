@@ -3,6 +3,17 @@ types and the records their methods take and return are exported here with it: t
 above import this package, never its modules (`tests/unit/test_import_layers.py`)."""
 
 from .context import NodeContext, check_timeout
+from .eventrecords import (
+    EVENT_TYPES,
+    TEAM_ID,
+    Delivery,
+    LifecycleEvent,
+    Webhook,
+    WebhookStats,
+    signature,
+)
+from .events import MAX_LIMIT as MAX_EVENTS_LIMIT
+from .events import Events
 from .facade import Orchestrator
 from .fork import Forker, ForkResult
 from .idle import IdleTracker
@@ -22,6 +33,15 @@ from .volumes import Volumes
 
 __all__ = [
     "CLUSTER_ID",
+    "EVENT_TYPES",
+    "MAX_EVENTS_LIMIT",
+    "TEAM_ID",
+    "Delivery",
+    "Events",
+    "LifecycleEvent",
+    "Webhook",
+    "WebhookStats",
+    "signature",
     "LEVELS",
     "DiskInfo",
     "DrainResult",
