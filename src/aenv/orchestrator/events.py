@@ -58,7 +58,6 @@ class Events:
         self.retention = timedelta(days=s.events_retention_days)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="aenv-events")
         self._store = EventStore(s.events_path, s.webhook_backlog)
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._deliveries = Counter(
             "aenv_webhook_deliveries",
             "Webhook delivery attempts, by outcome (delivered, failed: retried later, "
@@ -90,7 +89,6 @@ class Events:
 
     # ---------------------------------------------------------------- life
     async def start(self, *, timers: bool = True) -> None:
-        self._loop = asyncio.get_running_loop()
         await self.prune()
         self._set_backlog(await self._run(self._store.backlog_of))
         for w in await self._run(self._store.webhooks):
@@ -135,18 +133,24 @@ class Events:
 
     def append(self, e: LifecycleEvent) -> None:
         """Records a made event (one the gateway saw comes this way too)."""
+        # The loop of the operation that recorded it hears when it is written.
+        loop = asyncio.get_running_loop()
         fut = self._pool.submit(self._store.append, e, time.time())
-        fut.add_done_callback(functools.partial(self._appended, e))
+        fut.add_done_callback(functools.partial(self._appended, e, loop))
 
-    def _appended(self, e: LifecycleEvent, fut: Future[tuple[list[str], int]]) -> None:
+    def _appended(
+        self,
+        e: LifecycleEvent,
+        loop: asyncio.AbstractEventLoop,
+        fut: Future[tuple[list[str], int]],
+    ) -> None:
         # On the store's thread: the rest is the event loop's.
         exc = fut.exception()
         if exc is not None:
             log.error("lifecycle event %s of %s not recorded: %s", e.type, e.sandbox_id, exc)
             return
         hooks, dropped = fut.result()
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
+        if not loop.is_closed():
             loop.call_soon_threadsafe(self._fan_out, hooks, dropped)
 
     def _fan_out(self, hooks: list[str], dropped: int) -> None:
