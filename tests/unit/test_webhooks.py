@@ -23,7 +23,7 @@ from tests.unit.api_node import API_KEY, api_client, assert_error
 from tests.webhook_receiver import Receiver, receiving
 
 LC = "sandbox.lifecycle."
-FAST = {"webhook_backoff": 0.05, "webhook_backoff_max": 0.2, "webhook_timeout": 2.0}
+FAST: dict[str, Any] = {"webhook_backoff": 0.05, "webhook_backoff_max": 0.2, "webhook_timeout": 2.0}
 
 
 @pytest.fixture
