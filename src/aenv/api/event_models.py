@@ -4,11 +4,12 @@ serve, aenv's (a webhook's delivery history and stats)."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, ClassVar
 
 from pydantic import Field
 
+from aenv.errors import BadRequest
 from aenv.orchestrator import TEAM_ID, Delivery, Webhook, WebhookStats
 
 from .models import _Request, _Response
@@ -50,6 +51,26 @@ class WebhookUpdate(_Request):
     signature_secret: str | None = Field(
         default=None, alias="signatureSecret", min_length=1, max_length=1024
     )
+
+
+class ClusterWebhook(_Request):
+    """A cluster's webhook as a gateway hands it to every node (its id and secret are the
+    same on all of them)."""
+
+    name: str = Field(min_length=1, max_length=256)
+    url: str = Field(min_length=1, max_length=2048)
+    enabled: bool = True
+    events: list[str] = Field(default_factory=list, max_length=64)
+    secret: str = Field(min_length=1, max_length=1024)
+    # RFC 3339 (strict JSON has no datetime type).
+    created_at: str = Field(alias="createdAt", max_length=64)
+
+    def created(self) -> datetime:
+        try:
+            t = datetime.fromisoformat(self.created_at.replace("Z", "+00:00"))
+        except ValueError:
+            raise BadRequest(f"createdAt: not an RFC 3339 time: {self.created_at!r}") from None
+        return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
 class WebhookOut(_Response):

@@ -137,6 +137,7 @@ class NodeAgent:
             node = await self.record(status)
             roster = {r.sandbox_id: roster_entry(r) for r in self.orch.table.list()}
             self._previous = await self.state.heartbeat(node, roster, self._previous)
+            await self.orch.events.sync(*await self.state.webhooks())
         except Exception as e:
             self._previous = None  # whatever Redis lost, the next heartbeat writes again
             if not self._failing:

@@ -40,6 +40,7 @@ class NodeLost(BadGateway):
             f"(no heartbeat for {ago} s)"
         )
         self.sandbox_id = sandbox_id
+        self.node_id = node.node_id
 
     def to_json(self) -> dict[str, object]:
         return {**super().to_json(), "sandboxId": self.sandbox_id}

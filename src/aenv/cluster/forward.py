@@ -142,6 +142,26 @@ class NodeClient:
         finally:
             done()
 
+    async def fetch(
+        self,
+        request: Request,
+        node: NodeRecord,
+        method: str,
+        path: str,
+        *,
+        params: list[tuple[str, str]] | None = None,
+        body: bytes = b"",
+    ) -> httpx.Response:
+        """A request of the gateway's making on the client's behalf (its key and headers),
+        to `path` with `params` (a merge that pages through nodes)."""
+        url = httpx.URL(node.url + path, params=params)
+        try:
+            return await self.http.request(
+                method, url, headers=self._headers(request), content=body
+            )
+        except httpx.TransportError as e:
+            raise NodeUnreachable(node, e) from e
+
     async def call(
         self,
         node: NodeRecord,

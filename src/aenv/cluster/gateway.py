@@ -38,6 +38,7 @@ from ..telemetry import set_route
 from .aggregate import merge_pages, node_view
 from .directory import Directory, NodeLost
 from .forward import NodeClient, NodeError, NodeUnreachable
+from .gwevents import GatewayEvents
 from .metrics import GatewayMetrics, route_template
 from .records import NodeRecord
 from .scheduler import Placement, Scheduler
@@ -75,6 +76,7 @@ class Gateway:
         self.nodes = nodes
         self.scheduler = scheduler
         self.metrics = metrics or GatewayMetrics()
+        self.events = GatewayEvents(state, directory, nodes)
 
     # ------------------------------------------------------------------ entry
     async def handle(self, request: Request) -> Response:
@@ -83,6 +85,8 @@ class Gateway:
         try:
             return await self._route(request)
         except AenvError as e:
+            if isinstance(e, NodeLost):
+                await self.events.node_lost(e.sandbox_id, e.node_id, self._key())
             if (reason := routing_error(e)) is not None:
                 self.metrics.routing_error(reason)
             return JSONResponse(e.to_json(), status_code=e.status)
@@ -101,6 +105,10 @@ class Gateway:
             return await self._create(request)
         if method == "GET" and path == "/sandboxes/metrics":
             return await self._merged_metrics(request)
+        if path.startswith("/events/"):
+            answer = await self.events.handle(request)
+            if answer is not None:
+                return answer
         if m := _SANDBOX.match(path):
             return await self._sandbox(request, m.group(1), m.group(2) or "")
         if method == "GET" and path == "/snapshots":

@@ -181,3 +181,38 @@ class ClusterState:
 
     async def bind_template(self, template_id: str, node_id: str) -> None:
         await self.redis.hset(self._k("templates"), template_id, node_id)
+
+    # ------------------------------------------------------------------ webhooks
+    # A cluster's webhooks (docs/events.md): every node keeps a copy and delivers the
+    # events it recorded, so each event goes out once. Gateways write here and to every
+    # node; a node's heartbeat takes what it missed (a node that joined later, or was
+    # away), and the ids of deleted ones.
+    async def webhooks(self) -> tuple[dict[str, str], set[str]]:
+        """Webhook documents by id, and the ids of deleted webhooks."""
+        async with self.redis.pipeline(transaction=False) as p:
+            p.hgetall(self._k("webhooks"))
+            p.smembers(self._k("webhooks-deleted"))
+            docs, gone = await p.execute()
+        return dict(docs), set(gone)
+
+    async def webhook(self, webhook_id: str) -> str | None:
+        doc = await self.redis.hget(self._k("webhooks"), webhook_id)
+        return None if doc is None else str(doc)
+
+    async def put_webhook(self, webhook_id: str, doc: str) -> None:
+        await self.redis.hset(self._k("webhooks"), webhook_id, doc)
+
+    async def delete_webhook(self, webhook_id: str) -> bool:
+        async with self.redis.pipeline(transaction=True) as p:
+            p.hdel(self._k("webhooks"), webhook_id)
+            p.sadd(self._k("webhooks-deleted"), webhook_id)
+            n, _ = await p.execute()
+        return bool(n)
+
+    async def claim_lost(self, sandbox_id: str) -> bool:
+        """Whether this caller is the first to report the sandbox lost with its node (the
+        claim outlives the events' retention)."""
+        return bool(await self.redis.set(self._k("lost", sandbox_id), "1", nx=True, ex=8 * 86400))
+
+    async def unclaim_lost(self, sandbox_id: str) -> None:
+        await self.redis.delete(self._k("lost", sandbox_id))

@@ -5,6 +5,7 @@ above import this package, never its modules (`tests/unit/test_import_layers.py`
 from .context import NodeContext, check_timeout
 from .eventrecords import (
     EVENT_TYPES,
+    KILLED,
     TEAM_ID,
     Delivery,
     LifecycleEvent,
@@ -34,6 +35,7 @@ from .volumes import Volumes
 __all__ = [
     "CLUSTER_ID",
     "EVENT_TYPES",
+    "KILLED",
     "MAX_EVENTS_LIMIT",
     "TEAM_ID",
     "Delivery",

@@ -274,6 +274,29 @@ class Events:
         self._deliverer.watch(w.id)  # enabled again: what waited goes now
         return w
 
+    async def put_webhook(self, w: Webhook) -> Webhook:
+        """Keeps `w` as it is given, id and secret included (a cluster's webhook, which
+        every node keeps under one id); nothing is written if it is kept so already."""
+        check_url(w.url)
+        check_types(w.events)
+        have = await self._run(self._store.webhook, w.id)
+        if have is None or have.to_doc() != w.to_doc():
+            await self._run(self._store.put_webhook, w)
+        self._deliverer.watch(w.id)
+        return w
+
+    async def sync(self, docs: dict[str, str], deleted: set[str]) -> None:
+        """A cluster's webhooks as Redis has them: kept here as they are there, and those
+        deleted there deleted here."""
+        for doc in docs.values():
+            try:
+                await self.put_webhook(Webhook.from_doc(doc))
+            except (BadRequest, ValueError, KeyError) as e:
+                log.warning("a cluster webhook not taken: %s", e)
+        for gone in deleted - set(docs):
+            if await self._run(self._store.webhook, gone) is not None:
+                await self.delete_webhook(gone)
+
     async def delete_webhook(self, webhook_id: str) -> None:
         await self._deliverer.forget(webhook_id)
         if not await self._run(self._store.delete_webhook, webhook_id):

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Body, Depends, Query, Response
 
-from aenv.orchestrator import MAX_EVENTS_LIMIT
+from aenv.errors import BadRequest
+from aenv.orchestrator import EVENT_TYPES, MAX_EVENTS_LIMIT, LifecycleEvent, Webhook
 
 from ..auth import require_api_key
 from ..deps import OrchestratorDep
 from ..event_models import (
+    ClusterWebhook,
     SandboxEvent,
     WebhookCreate,
     WebhookDelivery,
@@ -153,3 +155,40 @@ async def webhook_deliveries(
 @router.get("/events/webhooks/{webhook_id}/stats", summary="A webhook's delivery stats (aenv)")
 async def webhook_stats(webhook_id: str, orchestrator: OrchestratorDep) -> WebhookStatsOut:
     return WebhookStatsOut.of(await orchestrator.events.stats(webhook_id))
+
+
+# ----------------------------------------------------------------------------- cluster
+# What gateways ask a node: keep a cluster's webhook under its id and secret, and record an
+# event only a gateway saw (a sandbox lost with its node), which this node then delivers.
+
+
+@router.put("/cluster/webhooks/{webhook_id}", summary="Keep a cluster's webhook (gateways)")
+async def put_cluster_webhook(
+    webhook_id: str, body: ClusterWebhook, orchestrator: OrchestratorDep
+) -> WebhookOut:
+    w = await orchestrator.events.put_webhook(
+        Webhook(
+            id=webhook_id,
+            name=body.name,
+            url=body.url,
+            events=body.events,
+            secret=body.secret,
+            enabled=body.enabled,
+            created_at=body.created(),
+        )
+    )
+    return WebhookOut.of(w)
+
+
+@router.post("/cluster/events", status_code=202, summary="Record an event a gateway saw")
+async def record_cluster_event(
+    orchestrator: OrchestratorDep, body: Annotated[dict[str, Any], Body()]
+) -> Response:
+    try:
+        event = LifecycleEvent.from_wire(body)
+    except (KeyError, ValueError, TypeError) as e:
+        raise BadRequest(f"not a lifecycle event: {e}") from e
+    if event.type not in EVENT_TYPES:
+        raise BadRequest(f"unknown event type {event.type!r}")
+    orchestrator.events.append(event)
+    return Response(status_code=202)
