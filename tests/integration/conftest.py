@@ -94,7 +94,9 @@ def running_server(prefix: str, cidr: str | None, **extra: str) -> Iterator[Serv
     home = Path(tempfile.mkdtemp(prefix=f"aenv-{prefix}-"))
     # A test may choose the port itself (a setting that names it, e.g. AENV_DOMAIN).
     port = int(extra["AENV_LISTEN"].rsplit(":", 1)[1]) if "AENV_LISTEN" in extra else free_port()
-    env = dict(os.environ)
+    # Not the session's SDK settings: the CLI run with this env honours E2B_* over the
+    # node's own defaults, so they would point it at the session's server.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
     env.update(
         AENV_HOME=str(home),
         AENV_LISTEN=f"127.0.0.1:{port}",

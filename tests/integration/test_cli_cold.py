@@ -97,9 +97,9 @@ def test_start_cold_then_cp_without_tar(server: Server, busybox_image: str, tmp_
     finally:
         _aenv(server, "rm", sid)
 
-    # Both a template and an image: a usage mistake, one line.
+    # Both a template and an image: a usage mistake, one line, aenv's own failure (125).
     res = _aenv(server, "start", "base", "--cold", busybox_image, "-d")
-    assert res.returncode == 1 and res.stderr.count("\n") == 1
+    assert res.returncode == 125 and res.stderr.count("\n") == 1
     res = _aenv(server, "start", "--cold", "127.0.0.1:1/nope:1", "-d")
-    assert res.returncode == 1 and res.stderr.startswith("aenv: ")
+    assert res.returncode == 125 and res.stderr.startswith("aenv: ")
     assert res.stderr.count("\n") == 1, res.stderr

@@ -71,8 +71,8 @@ def sandbox(server: Server) -> Iterator[str]:
 
 
 def test_auth_status_and_precedence(server: Server, tmp_path: Path) -> None:
-    # No AENV_* at all, an empty node home: only what `aenv auth` stores can work.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AENV_")}
+    # No AENV_* or E2B_* at all, an empty node home: only what `aenv auth` stores can work.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
     env.update(
         XDG_CONFIG_HOME=str(tmp_path / "xdg"),
         HOME=str(tmp_path / "home"),
@@ -102,7 +102,7 @@ def test_auth_status_and_precedence(server: Server, tmp_path: Path) -> None:
     # The stored credentials are used without any option or environment.
     assert isinstance(json.loads(run(["ls"], env).stdout), list)
     status = run(["status"], env).stdout
-    assert server.url in status and "credentials file" in status
+    assert server.url in status and "from context 'default'" in status
     assert "authenticated   yes" in status and "node " in status
     info = json.loads(run(["status", "-o", "json"], env).stdout)
     assert info["reachable"] and info["authenticated"] and info["serverVersion"]
