@@ -17,6 +17,8 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@# Until 0.2.0 the distribution was called `aenv`: an older venv still has it installed.
+	@! $(BIN)/pip show -q aenv 2>/dev/null || $(BIN)/pip uninstall -q -y aenv
 	@$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
 	@touch $(STAMP)
 
@@ -75,4 +77,4 @@ soak: install
 	$(BIN)/python -m bench.soak --minutes $(MINUTES) --at-once $(AT_ONCE)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info src/*.egg-info
