@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@# Until 0.2.0 the distribution was called `aenv`: an older venv still has it installed.
 	@! $(BIN)/pip show -q aenv 2>/dev/null || $(BIN)/pip uninstall -q -y aenv
-	@$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	@$(BIN)/pip install -q --disable-pip-version-check -e '.[server,test]'
 	@touch $(STAMP)
 
 # The web console's front-end packages (xterm.js), exactly as package-lock.json pins them;

@@ -17,12 +17,12 @@ import typer
 from typer import _click
 from typer.core import TyperGroup
 
-from .. import __version__
+from .. import DISTRIBUTION, __version__
 from ..config import Settings
 from ..errors import AenvError
 from . import auth, copy, keys, nodes, observe, sandboxes, snapshots, tags, templates, volumes
 from .bench import bench
-from .errors import CliError, one_line
+from .errors import CliError, missing_server_extra, one_line
 from .state import CliState, state_of
 
 
@@ -56,13 +56,14 @@ class AenvGroup(TyperGroup):
                 raise  # typer's main exits quietly on a closed pipe (`aenv ls | head`)
             where = f"{exc.filename}: " if exc.filename else ""
             _fail(f"{where}{exc.strerror or exc}", 1, ctx)
+        except ModuleNotFoundError as exc:  # a server package, in a client-only install
+            _fail(missing_server_extra(exc, DISTRIBUTION) or _internal(exc), 1, ctx)
         except Exception as exc:  # a bug: still one line, the traceback with --debug
-            _fail(
-                f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the "
-                "traceback)",
-                1,
-                ctx,
-            )
+            _fail(_internal(exc), 1, ctx)
+
+
+def _internal(exc: BaseException) -> str:
+    return f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)"
 
 
 def _debug(ctx: Any) -> bool:
