@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.aenv-installed
 export AENV_HOME ?= /var/lib/aenv
 
-.PHONY: install system venv console base code-interpreter run test test-unit test-integration lint contracts bench soak proto clean
+.PHONY: install system venv console base code-interpreter run test test-unit test-integration lint contracts bench soak floors version dist image proto clean
 
 install: system venv console base
 
@@ -76,5 +76,31 @@ AT_ONCE ?= 8
 soak: install
 	$(BIN)/python -m bench.soak --minutes $(MINUTES) --at-once $(AT_ONCE)
 
+# The lowest version each dependency's bound allows, in a scratch venv, and the unit tests
+# there (scripts/floors.sh; minutes, and not part of `make test`). ARGS go to pytest.
+floors:
+	@scripts/floors.sh $(ARGS)
+
+# Releases (docs/releasing.md). The version is the git tag's (setuptools-scm); an image tag
+# cannot hold a `+`, so a development version's local part is joined with a `-`.
+VERSION = $(shell $(BIN)/python -m setuptools_scm)
+IMAGE ?= aenv
+
+version: venv
+	@echo $(VERSION)
+
+# The wheel, checked to hold the `aenv` package and nothing beside it.
+dist: venv
+	rm -rf dist
+	$(BIN)/pip wheel -q --disable-pip-version-check --no-deps -w dist .
+	@$(BIN)/python -c 'import sys, zipfile; names = {n.split("/")[0] for n in zipfile.ZipFile(sys.argv[1]).namelist()}; extra = sorted(n for n in names if n != "aenv" and not n.endswith(".dist-info")); sys.exit(f"stray top-level entries in the wheel: {extra}" if extra else 0)' dist/*.whl
+	@ls dist
+
+# The image, tagged with the version; the build context has no .git, so the version goes in
+# as a build argument (deploy/docker/Dockerfile hands it to setuptools-scm).
+image: venv
+	docker build -f deploy/docker/Dockerfile --build-arg AENV_VERSION=$(VERSION) \
+		-t $(IMAGE):$(subst +,-,$(VERSION)) .
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build dist *.egg-info src/*.egg-info
