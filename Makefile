@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.aenv-installed
 export AENV_HOME ?= /var/lib/aenv
 
-.PHONY: install system venv console base code-interpreter run test test-unit test-integration lint contracts bench soak proto clean image lock compose-test
+.PHONY: install system venv console base code-interpreter run test test-unit test-integration lint contracts bench soak floors version dist image lock compose-test proto clean
 
 install: system venv console base
 
@@ -17,7 +17,9 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	@# Until 0.2.0 the distribution was called `aenv`: an older venv still has it installed.
+	@! $(BIN)/pip show -q aenv 2>/dev/null || $(BIN)/pip uninstall -q -y aenv
+	@$(BIN)/pip install -q --disable-pip-version-check -e '.[server,test]'
 	@touch $(STAMP)
 
 # The web console's front-end packages (xterm.js), exactly as package-lock.json pins them;
@@ -74,24 +76,46 @@ AT_ONCE ?= 8
 soak: install
 	$(BIN)/python -m bench.soak --minutes $(MINUTES) --at-once $(AT_ONCE)
 
-# The container images (deploy/docker/Dockerfile), tagged with the project's version:
-# aenv:VERSION (the node) and aenv-gateway:VERSION. BASE_IMAGE and DEBIAN_MIRROR pass on.
-VERSION = $(shell git describe --tags --always --dirty 2>/dev/null | sed 's/^v//')
+# The lowest version each dependency's bound allows, in a scratch venv, and the unit tests
+# there (scripts/floors.sh; minutes, and not part of `make test`). ARGS go to pytest.
+floors:
+	@scripts/floors.sh $(ARGS)
+
+# Releases (docs/releasing.md). The version is the git tag's (setuptools-scm); an image tag
+# cannot hold a `+`, so a development version's local part is joined with a `-`.
+VERSION = $(shell $(BIN)/python -m setuptools_scm 2>/dev/null)
+TAG = $(subst +,-,$(VERSION))
+
+version: venv
+	@echo $(VERSION)
+
+# The wheel, checked to hold the `aenv` package and nothing beside it.
+dist: venv
+	rm -rf dist
+	$(BIN)/pip wheel -q --disable-pip-version-check --no-deps -w dist .
+	@$(BIN)/python -c 'import sys, zipfile; names = {n.split("/")[0] for n in zipfile.ZipFile(sys.argv[1]).namelist()}; extra = sorted(n for n in names if n != "aenv" and not n.endswith(".dist-info")); sys.exit(f"stray top-level entries in the wheel: {extra}" if extra else 0)' dist/*.whl
+	@ls dist
+
+# The container images (deploy/docker/Dockerfile), tagged with the version (the build context
+# has no .git, so it goes in as a build argument): aenv:TAG (the node) and aenv-gateway:TAG,
+# and :latest. BASE_IMAGE and DEBIAN_MIRROR pass on.
 IMAGE_ARGS = --build-arg AENV_VERSION=$(VERSION) \
 	$(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE),) \
 	$(if $(DEBIAN_MIRROR),--build-arg DEBIAN_MIRROR=$(DEBIAN_MIRROR),) \
 	$(if $(wildcard /etc/ssl/certs/ca-certificates.crt),--secret id=ca,src=/etc/ssl/certs/ca-certificates.crt,)
-image:
+image: venv
 	@scripts/install-docker.sh
-	DOCKER_BUILDKIT=1 /usr/bin/docker build -f deploy/docker/Dockerfile --target node $(IMAGE_ARGS) -t aenv:$(VERSION) -t aenv:latest .
-	DOCKER_BUILDKIT=1 /usr/bin/docker build -f deploy/docker/Dockerfile --target gateway $(IMAGE_ARGS) -t aenv-gateway:$(VERSION) -t aenv-gateway:latest .
+	DOCKER_BUILDKIT=1 /usr/bin/docker build -f deploy/docker/Dockerfile --target node $(IMAGE_ARGS) -t aenv:$(TAG) -t aenv:latest .
+	DOCKER_BUILDKIT=1 /usr/bin/docker build -f deploy/docker/Dockerfile --target gateway $(IMAGE_ARGS) -t aenv-gateway:$(TAG) -t aenv-gateway:latest .
 
 # The image's Python packages, pinned with hashes (deploy/docker/requirements.lock), from
-# pyproject.toml: run after changing a dependency (a unit test says when it is due).
+# pyproject.toml (the server's extra) and what builds the project: run after changing a
+# dependency (a unit test says when it is due).
 lock: venv
 	@$(BIN)/python -m uv --version >/dev/null 2>&1 || $(BIN)/pip install -q uv
-	$(BIN)/python -m uv pip compile pyproject.toml deploy/docker/build-system.in --universal --python-version 3.11 \
-		--generate-hashes --no-header -q -o deploy/docker/requirements.lock
+	$(BIN)/python -m uv pip compile pyproject.toml deploy/docker/build-system.in --extra server \
+		--universal --python-version 3.11 --generate-hashes --no-header -q \
+		-o deploy/docker/requirements.lock
 
 # The compose deployment for real: images built with Debian's Docker engine, the cluster
 # of deploy/compose up, the stock SDK through a gateway, a node restarted (tests/deploy/).
@@ -100,4 +124,4 @@ compose-test: install
 	AENV_COMPOSE_TEST=1 $(BIN)/python -m pytest -q -rs -s --timeout=3600 tests/deploy
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info src/*.egg-info

@@ -127,7 +127,7 @@ def test_everything_lands_in_one_namespace_that_admits_privileged_pods(
 
 def test_only_the_aenv_and_redis_images_are_used(objects: list[dict[str, Any]]) -> None:
     images = {c["image"] for o in objects for s in pod_specs(o) for c in _containers(s)}
-    assert images == {"registry.example.com/aenv:0.1.0", "redis:7.2"}
+    assert images == {"registry.example.com/aenv:0.2.0", "redis:7.2"}
 
 
 # --- the node DaemonSet ------------------------------------------------------------------

@@ -1,5 +1,10 @@
 """`aenv bench`: runs the benchmark harness (the `bench` package, beside `src/`) and prints
-its table. The harness is imported when the command runs, not when the CLI starts."""
+its table. The harness is imported when the command runs, not when the CLI starts.
+
+The harness is not part of the installed package: it measures this server against raw runsc
+on the same machine and keeps its results (bench/results/, the README's table) in the
+checkout, so it runs from a checkout, found beside this module (an editable install) or in
+the current directory."""
 
 from __future__ import annotations
 
@@ -12,7 +17,8 @@ from typing import Annotated, Any
 
 import typer
 
-from .errors import CliError
+from .. import DISTRIBUTION
+from .errors import CliError, missing_server_extra
 from .state import state_of
 
 
@@ -70,6 +76,30 @@ class RichProgress:
         from rich.markup import escape
 
         self._bar.console.print(f"[dim]{escape(message)}[/]", highlight=False)
+
+
+def checkout_with_bench(candidates: tuple[Path, ...] | None = None) -> Path | None:
+    """The checkout whose `bench/` to run: this module's own (src/aenv/cli/bench.py in an
+    editable install) or the current directory; None outside a checkout."""
+    if candidates is None:
+        candidates = (Path(__file__).resolve().parents[3], Path.cwd())
+    for root in candidates:
+        if (root / "bench" / "harness.py").is_file():
+            return root.resolve()
+    return None
+
+
+def load_bench() -> None:
+    """Makes the checkout's `bench` importable, or fails with one line saying where it runs."""
+    root = checkout_with_bench()
+    if root is None:
+        raise CliError(
+            "`aenv bench` runs from a checkout of the aenv repository (the harness in bench/ "
+            "is not installed with the package): run `make bench` there"
+        )
+    # Appended, not prepended: the checkout's other directories must not shadow anything.
+    if str(root) not in sys.path:
+        sys.path.append(str(root))
 
 
 def _print_table(doc: dict[str, Any]) -> None:
@@ -133,6 +163,8 @@ def bench(
     """Benchmark a server through its HTTP API (and raw runsc as the baseline); writes
     bench/results/latest.json and prints the table.
 
+    Runs from a checkout of the repository (the harness, bench/, is not installed).
+
     Examples:
 
     ```
@@ -140,9 +172,13 @@ def bench(
     aenv bench --url http://10.0.0.5:8000
     ```
     """
+    load_bench()
     try:
         from bench import harness, report
         from bench.client import BenchError
+    except ModuleNotFoundError as exc:
+        hint = missing_server_extra(exc, DISTRIBUTION)
+        raise CliError(hint or f"the benchmark harness (bench/) cannot be loaded: {exc}") from None
     except ImportError as exc:
         raise CliError(f"the benchmark harness (bench/) cannot be loaded: {exc}") from None
     state = state_of(ctx)

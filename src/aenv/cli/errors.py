@@ -67,3 +67,33 @@ def one_line(text: str) -> str:
     """Collapse a (possibly multi-line) message into one line."""
     parts = [p.strip() for p in str(text).strip().splitlines()]
     return " | ".join(p for p in parts if p) or "unknown error"
+
+
+# The top-level modules that only the `server` extra installs (pyproject.toml; starlette
+# comes with fastapi). A command that runs node code in-process (`aenv server`, `gateway`,
+# `template build-base`) fails on one of them in a client-only install.
+SERVER_MODULES = frozenset(
+    {
+        "fastapi",
+        "starlette",
+        "uvicorn",
+        "websockets",
+        "prometheus_client",
+        "zstandard",
+        "obstore",
+        "redis",
+        "cryptography",
+    }
+)
+
+
+def missing_server_extra(exc: ModuleNotFoundError, distribution: str) -> str | None:
+    """The one-line hint for a server package missing from a client-only install, or None
+    when the missing module is not one of them (a bug, reported as such)."""
+    name = (exc.name or "").partition(".")[0]
+    if name not in SERVER_MODULES:
+        return None
+    return (
+        f"this command runs server code, which needs the server's packages (no module named "
+        f"{name!r}): pip install '{distribution}[server]'"
+    )

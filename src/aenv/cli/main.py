@@ -17,7 +17,7 @@ import typer
 from typer import _click
 from typer.core import TyperGroup
 
-from .. import __version__
+from .. import DISTRIBUTION, __version__
 from ..config import Settings
 from ..errors import AenvError
 from . import (
@@ -35,7 +35,7 @@ from . import (
     volumes,
 )
 from .bench import bench
-from .errors import EXIT_AENV, EXIT_FAILURE, CliError, one_line
+from .errors import EXIT_AENV, EXIT_FAILURE, CliError, missing_server_extra, one_line
 from .global_flags import spread_global_flags
 from .state import CliState, state_of
 
@@ -89,13 +89,14 @@ class AenvGroup(TyperGroup):
                 raise  # typer's main exits quietly on a closed pipe (`aenv ls | head`)
             where = f"{exc.filename}: " if exc.filename else ""
             _fail(f"{where}{exc.strerror or exc}", failed, ctx)
+        except ModuleNotFoundError as exc:  # a server package, in a client-only install
+            _fail(missing_server_extra(exc, DISTRIBUTION) or _internal(exc), failed, ctx)
         except Exception as exc:  # a bug: still one line, the traceback with --debug
-            _fail(
-                f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the "
-                "traceback)",
-                failed,
-                ctx,
-            )
+            _fail(_internal(exc), failed, ctx)
+
+
+def _internal(exc: BaseException) -> str:
+    return f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)"
 
 
 def _debug(ctx: Any) -> bool:
