@@ -433,10 +433,14 @@ class EnvdClient:
         env_vars: Mapping[str, str],
         user: str | None,
         workdir: str | None,
+        sandbox_id: str | None = None,
     ) -> None:
         """Gives envd the sandbox's (new) access token, environment, default user and working
-        directory; the target's token is the one envd holds now."""
+        directory; the target's token is the one envd holds now. A `sandbox_id` envd was not
+        initialised for before makes it renew the sandbox's identity (envd/identity.py)."""
         body: dict[str, object] = {"envVars": dict(env_vars)}
+        if sandbox_id:
+            body["sandboxID"] = sandbox_id
         if token:
             body["accessToken"] = token
         if user:

@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> None:
         from .procfs import prepare_proc
 
         prepare_proc()  # before any fork: the children inherit the dropped capability
+        from . import identity
+
+        identity.ENABLED = True  # the /init of a new sandbox renews its identity
         os.environ.setdefault(SOCKET_ENV, DEFAULT_SOCKET)
         os.environ.setdefault("AENV_ENVD_PORT_FORWARD", "1")
     if os.getpid() == 1 and os.environ.get("AENV_ENVD_NO_REAPER") != "1":

@@ -9,6 +9,7 @@ import os
 import signal
 from typing import TYPE_CHECKING
 
+from . import identity
 from .envrules import env_problem
 from .httpserver import HTTPError, Request, Response, log, serve_connection
 from .rpc import Method, RPCError, dispatch
@@ -262,6 +263,9 @@ class App:
         token = body.get("accessToken")
         if token is not None and not isinstance(token, str):
             raise HTTPError(400, "accessToken must be a string")
+        sandbox_id = body.get("sandboxID")  # aenv's own field (E2B's envd has none)
+        if sandbox_id is not None and not isinstance(sandbox_id, str):
+            raise HTTPError(400, "sandboxID must be a string")
 
         if env_vars is not None:
             st.env_vars = dict(env_vars)
@@ -273,6 +277,13 @@ class App:
             st.access_token = token or None
         if ts is not None:
             st.last_init_ts = ts
+        if sandbox_id and sandbox_id != st.sandbox_id:
+            # A new sandbox (fresh, or restored from a snapshot or a fork): its own
+            # machine-id, boot id and randomness, before it runs anything of the user's.
+            st.sandbox_id = sandbox_id
+            if identity.ENABLED:
+                for problem in identity.renew():
+                    log(f"identity: {problem}")
         await resp.send(204, headers=[("Cache-Control", "no-store")])
 
 

@@ -182,6 +182,9 @@ class State:
         self.default_workdir: str | None = None
         self.base_env: dict[str, str] = base_env or {}
         self.last_init_ts: float | None = None
+        # The sandbox whose identity envd gave this machine (identity.py): a checkpoint
+        # carries it, so a restore named differently by /init renews it.
+        self.sandbox_id: str | None = None
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> State:

@@ -265,6 +265,7 @@ class Booter:
             env_vars=env,
             user=r.boot.user,
             workdir=r.boot.workdir,
+            sandbox_id=r.sandbox_id,  # a restored copy of another sandbox gets its own identity
         )
         if ca is not None:
             await install_ca(self.envd.at(r.instance.address, r.envd_access_token), ca)
