@@ -122,6 +122,27 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- control plane ------------------------------------------------------------------
 
+    def _bulk(self, method: str, query: dict[str, list[str]]) -> None:
+        """`DELETE /sandboxes` and `POST /sandboxes/pause` by metadata, as a node answers."""
+        want = {k: v[0] for k, v in parse_qs(query.get("metadata", [""])[0]).items()}
+        if not want:
+            return self._error(400, "a non-empty metadata query is required")
+        done, failed = [], []
+        for sid, sb in list(self.fake.sandboxes.items()):
+            if any(sb["metadata"].get(k) != v for k, v in want.items()):
+                continue
+            if method == "DELETE":
+                del self.fake.sandboxes[sid]
+            elif sb["state"] == "paused":
+                continue
+            elif sb["metadata"].get("stuck"):
+                failed.append({"sandboxID": sid, "code": 503, "message": "would not pause"})
+                continue
+            else:
+                sb["state"] = "paused"
+            done.append(sid)
+        return self._send(200, {"sandboxIDs": done, "failed": failed})
+
     def _control(self, method: str, path: str, query: dict[str, list[str]], body: bytes) -> None:
         fake = self.fake
         if self.headers.get("X-API-KEY") != API_KEY:
@@ -168,6 +189,8 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         if method == "GET" and parts == ["snapshots"]:
             return self._send(200, fake.snapshots)
+        if (method, parts) in (("DELETE", ["sandboxes"]), ("POST", ["sandboxes", "pause"])):
+            return self._bulk(method, query)
         if len(parts) >= 2 and parts[0] in ("sandboxes", "v2"):
             sid = parts[1] if parts[0] == "sandboxes" else parts[2]
             found = fake.sandboxes.get(sid)

@@ -26,6 +26,7 @@ from .limits import BodyLimit
 from .requestid import RequestId
 from .routes import (
     builds,
+    bulk,
     cluster,
     docs,
     events,
@@ -77,6 +78,9 @@ def create_control_app(
     app.include_router(docs.router)
     # Before sandboxes: its `/sandboxes/{id}` would take `/sandboxes/metrics`.
     app.include_router(observability.router)
+    # Before sandboxes, for clarity: `/sandboxes/pause` and `/sandboxes/timeout` are bulk
+    # (no sandbox route has that shape, but an id-shaped segment is easy to misread).
+    app.include_router(bulk.router)
     app.include_router(sandboxes.router)
     builds.attach(app, builder)  # template builds; before snapshots (its /templates/{id:path})
     app.include_router(tags.router)  # likewise

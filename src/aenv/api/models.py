@@ -367,6 +367,21 @@ class ListedSandbox(_SandboxInfo):
         return cls(**cls._common(record, state))
 
 
+class BulkFailure(_Response):
+    """A sandbox a bulk operation could not act on, and why."""
+
+    sandbox_id: str = Field(alias="sandboxID")
+    code: int
+    message: str
+
+
+class BulkResult(_Response):
+    """Answer of the bulk routes (routes/bulk.py): the ids acted on, the ids that failed."""
+
+    sandbox_ids: list[str] = Field(alias="sandboxIDs")
+    failed: list[BulkFailure] = Field(default_factory=list)
+
+
 class Lifecycle(_Response):
     auto_resume: bool = Field(alias="autoResume")
     on_timeout: Literal["pause", "kill"] = Field(alias="onTimeout")

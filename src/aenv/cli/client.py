@@ -159,6 +159,17 @@ class ControlPlane:
     def kill(self, sandbox_id: str) -> None:
         self.request("DELETE", f"/sandboxes/{url_segment(sandbox_id)}", ok=(204, 200))
 
+    def bulk(
+        self, method: str, path: str, metadata: Mapping[str, str], json: Any = None
+    ) -> dict[str, Any]:
+        """A bulk lifecycle call (`DELETE /sandboxes`, `POST /sandboxes/pause`) on the
+        sandboxes matching `metadata`: the server's `{"sandboxIDs", "failed"}`."""
+        resp = self.request(method, path, params={"metadata": urlencode(dict(metadata))}, json=json)
+        data = self._json(resp)
+        if not isinstance(data, dict):
+            raise CliError("the server's bulk answer is not a JSON object")
+        return data
+
     def pause(self, sandbox_id: str) -> None:
         self.request("POST", f"/sandboxes/{url_segment(sandbox_id)}/pause", json={}, ok=(204, 200))
 

@@ -55,6 +55,8 @@ _BUILD_FILES = re.compile(r"^/build-files/([^/]+)$")
 _FILES_LINK = re.compile(r"^/templates/([^/]+)/files/([^/]+)$")
 _BUILD_REQUESTS = ("/templates", "/v2/templates", "/v3/templates")
 _RESUMES = ("/connect", "/resume")
+# The bulk lifecycle routes (api/routes/bulk.py): every node acts on its own matches.
+_BULK = {("DELETE", "/sandboxes"), ("POST", "/sandboxes/pause"), ("POST", "/sandboxes/timeout")}
 TOTAL_RUNNING = "X-Total-Running"
 # A create a node turns down (full, draining) is tried on this many others.
 CREATE_TRIES = 3
@@ -105,6 +107,8 @@ class Gateway:
             return await self._create(request)
         if method == "GET" and path == "/sandboxes/metrics":
             return await self._merged_metrics(request)
+        if (method, path) in _BULK:  # before _SANDBOX, which reads `pause` as an id
+            return await self._bulk(request)
         if path.startswith("/events/"):
             answer = await self.events.handle(request)
             if answer is not None:
@@ -336,6 +340,38 @@ class Gateway:
                     merged.setdefault(key, {}).update(value)
                 elif isinstance(value, list):
                     merged.setdefault(key, []).extend(value)
+        return JSONResponse(merged)
+
+    async def _bulk(self, request: Request) -> Response:
+        """A bulk operation on every healthy node, the answers joined. A node that could not
+        be reached is named in `unreachableNodes` (its sandboxes were not acted on); the
+        others' acts are not undone, so the answer is a 200 all the same."""
+        body = await request.body()
+        nodes = await self.directory.healthy()
+        answers = await asyncio.gather(
+            *(self.nodes.send(request, n, body=body) for n in nodes), return_exceptions=True
+        )
+        done: list[Any] = []
+        failed: list[Any] = []
+        unreachable: list[str] = []
+        for node, a in zip(nodes, answers, strict=True):
+            if isinstance(a, BaseException):
+                log.warning("bulk %s on node %s failed: %s", request.url.path, node.node_id, a)
+                unreachable.append(node.node_id)
+                continue
+            if a.status_code >= 400:
+                return _plain(a)  # an empty query or a bad body: the same on every node
+            answer = _json(a.content)
+            ids = [i for i in answer.get("sandboxIDs") or [] if isinstance(i, str)]
+            if request.method == "DELETE":  # killed: unbound, as a kill of one is
+                for sandbox_id in ids:
+                    await self.state.unbind(sandbox_id)
+                    self.directory.forget(sandbox_id)
+            done.extend(ids)
+            failed.extend(answer.get("failed") or [])
+        merged: dict[str, Any] = {"sandboxIDs": done, "failed": failed}
+        if unreachable:
+            merged["unreachableNodes"] = unreachable
         return JSONResponse(merged)
 
     # ------------------------------------------------------------------ metrics

@@ -36,6 +36,8 @@ ROUTE_TEMPLATES = (
     "/sandboxes",
     "/sandboxes-cold",
     "/sandboxes/metrics",
+    "/sandboxes/pause",
+    "/sandboxes/timeout",
     "/sandboxes/{sandbox_id}",
     "/sandboxes/{sandbox_id}/connect",
     "/sandboxes/{sandbox_id}/fork",

@@ -1,0 +1,57 @@
+"""`aenv rm --all -m` and `aenv pause --all -m`: one bulk call by metadata (routes/bulk.py)
+against the fake control plane."""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qs, urlsplit
+
+from typer.testing import CliRunner
+
+from aenv.cli.main import app
+from tests.unit.fake_aenv import FakeAenv, _one_error_line
+
+
+def _query(path: str) -> dict[str, list[str]]:
+    return parse_qs(urlsplit(path).query)
+
+
+def test_rm_all_by_metadata(cli: CliRunner, fake: FakeAenv) -> None:
+    fake.add("sbx-a", metadata={"run": "r1", "team": "ml"})
+    fake.add("sbx-b", metadata={"run": "r1", "team": "ml"}, state="paused")
+    fake.add("sbx-c", metadata={"run": "r1"})
+    fake.add("sbx-d", metadata={"run": "r2", "team": "ml"})
+    res = cli.invoke(app, ["rm", "--all", "-m", "run=r1", "-m", "team=ml"])
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.split() == ["sbx-a", "sbx-b"]
+    assert set(fake.sandboxes) == {"sbx-c", "sbx-d"}
+    method, path, _, _ = fake.requests[-1]
+    assert method == "DELETE" and urlsplit(path).path == "/sandboxes"
+    assert parse_qs(_query(path)["metadata"][0]) == {"run": ["r1"], "team": ["ml"]}
+    assert len(fake.requests) == 1  # one call, not a listing and a kill each
+
+
+def test_pause_all_by_metadata(cli: CliRunner, fake: FakeAenv) -> None:
+    fake.add("sbx-a", metadata={"run": "r1"})
+    fake.add("sbx-b", metadata={"run": "r1", "stuck": "yes"})
+    fake.add("sbx-c", metadata={"run": "r2"})
+    res = cli.invoke(app, ["pause", "--all", "--metadata", "run=r1"])
+    assert res.exit_code == 1  # one could not be paused
+    assert res.stdout.split() == ["sbx-a"]
+    assert _one_error_line(res.stderr) == "aenv: sbx-b: would not pause"
+    assert [s["state"] for s in fake.sandboxes.values()] == ["paused", "running", "running"]
+
+
+def test_all_needs_a_query_and_no_ids(cli: CliRunner, fake: FakeAenv) -> None:
+    fake.add("sbx-a", metadata={"run": "r1"})
+    for args in (
+        ["rm", "--all"],
+        ["pause", "--all"],
+        ["rm", "--all", "-m", "run=r1", "sbx-a"],
+        ["rm", "-m", "run=r1"],
+        ["rm"],
+        ["pause"],
+    ):
+        res = cli.invoke(app, args)
+        assert res.exit_code == 2, args  # a usage error
+        assert _one_error_line(res.stderr).startswith("aenv: "), args
+    assert fake.requests == [] and set(fake.sandboxes) == {"sbx-a"}
