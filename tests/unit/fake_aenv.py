@@ -42,6 +42,8 @@ class FakeAenv:
         self.updates: list[dict[str, Any]] = []
         self.signals: list[dict[str, Any]] = []
         self.snapshots: list[dict[str, Any]] = []
+        # What `GET /sandboxes/{id}/lineage` answers, by id.
+        self.lineages: dict[str, dict[str, Any]] = {}
         self.page_size = 2
         self.next_pid = 100
         self.gate = threading.Event()
@@ -199,6 +201,8 @@ class _Handler(BaseHTTPRequestHandler):
             sb = found
             if method == "GET" and parts == ["sandboxes", sid]:
                 return self._send(200, sb)
+            if method == "GET" and parts == ["sandboxes", sid, "lineage"]:
+                return self._send(200, fake.lineages[sid])
             if method == "DELETE" and parts == ["sandboxes", sid]:
                 del fake.sandboxes[sid]
                 return self._send(204)

@@ -32,6 +32,7 @@ from .routes import (
     events,
     health,
     images,
+    lineage,
     observability,
     sandboxes,
     snapshots,
@@ -82,6 +83,7 @@ def create_control_app(
     # (no sandbox route has that shape, but an id-shaped segment is easy to misread).
     app.include_router(bulk.router)
     app.include_router(sandboxes.router)
+    app.include_router(lineage.router)
     builds.attach(app, builder)  # template builds; before snapshots (its /templates/{id:path})
     app.include_router(tags.router)  # likewise
     app.include_router(images.router)

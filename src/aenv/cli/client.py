@@ -156,6 +156,13 @@ class ControlPlane:
             raise CliError("the server's info answer is not a JSON object")
         return data
 
+    def lineage(self, sandbox_id: str) -> dict[str, Any]:
+        path = f"/sandboxes/{url_segment(sandbox_id)}/lineage"
+        data = self._json(self.request("GET", path))
+        if not isinstance(data, dict):
+            raise CliError("the server's lineage answer is not a JSON object")
+        return data
+
     def kill(self, sandbox_id: str) -> None:
         self.request("DELETE", f"/sandboxes/{url_segment(sandbox_id)}", ok=(204, 200))
 

@@ -41,6 +41,7 @@ ROUTE_TEMPLATES = (
     "/sandboxes/{sandbox_id}",
     "/sandboxes/{sandbox_id}/connect",
     "/sandboxes/{sandbox_id}/fork",
+    "/sandboxes/{sandbox_id}/lineage",
     "/sandboxes/{sandbox_id}/logs",
     "/sandboxes/{sandbox_id}/metrics",
     "/sandboxes/{sandbox_id}/network",

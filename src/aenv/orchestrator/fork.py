@@ -19,6 +19,7 @@ from ..errors import AenvError, BadRequest, Conflict
 from . import eventrecords as ev
 from .context import NodeContext, check_timeout
 from .events import Events
+from .lineage import fork_lineage
 from .logs import SandboxLogs
 from .nodeinfo import NodeStats
 from .sandboxes import Sandboxes
@@ -133,7 +134,9 @@ class Forker:
                 # The children restore from the snapshot while the parent does (under its
                 # lock); a parent that fails to come back is marked lost, its children stay.
                 kids = asyncio.ensure_future(
-                    asyncio.gather(*(self._child(parent, req) for _ in range(count)))
+                    asyncio.gather(
+                        *(self._child(parent, req, snap.template_id) for _ in range(count))
+                    )
                 )
                 if parent_back is not None:
                     try:
@@ -147,7 +150,9 @@ class Forker:
         await self.templates.delete(snap)
         return list(results)
 
-    async def _child(self, parent: SandboxRecord, req: CreateRequest) -> ForkResult:
+    async def _child(
+        self, parent: SandboxRecord, req: CreateRequest, fork_point: str
+    ) -> ForkResult:
         # Children queue for boot slots like any create (Booter.boot).
         try:
             c = await self.sandboxes.create(req, admitted=True)
@@ -157,6 +162,6 @@ class Forker:
             return ForkResult(error=AenvError(f"fork child failed: {e}"))
         c.template_id = parent.template_id
         c.alias = parent.alias
-        c.parent_id = parent.sandbox_id
+        c.lineage = fork_lineage(parent, fork_point)
         await self.table.save(c)
         return ForkResult(sandbox=c)

@@ -1,8 +1,9 @@
-"""`aenv rm --all -m` and `aenv pause --all -m`: one bulk call by metadata (routes/bulk.py)
-against the fake control plane."""
+"""`aenv rm --all -m`, `aenv pause --all -m` (one bulk call by metadata, routes/bulk.py) and
+`aenv tree ID` (a lineage drawn), against the fake control plane."""
 
 from __future__ import annotations
 
+import json
 from urllib.parse import parse_qs, urlsplit
 
 from typer.testing import CliRunner
@@ -55,3 +56,44 @@ def test_all_needs_a_query_and_no_ids(cli: CliRunner, fake: FakeAenv) -> None:
         assert res.exit_code == 2, args  # a usage error
         assert _one_error_line(res.stderr).startswith("aenv: "), args
     assert fake.requests == [] and set(fake.sandboxes) == {"sbx-a"}
+
+
+_TREE = {
+    "sandboxID": "sbx-b",
+    "lineage": {"templateID": "base", "parentID": "sbx-a", "forkPoint": "ifork1"},
+    "ancestors": [{"sandboxID": "sbx-a", "state": "running", "lineage": {"templateID": "base"}}],
+    "descendants": [
+        {
+            "sandboxID": "sbx-c",
+            "state": "paused",
+            "lineage": {"templateID": "base", "parentID": "sbx-b"},
+            "children": [
+                {
+                    "sandboxID": "sbx-e",
+                    "state": "running",
+                    "lineage": {"templateID": "base", "snapshotID": "snap1", "snapshotOf": "sbx-c"},
+                }
+            ],
+        },
+        {"sandboxID": "sbx-d", "state": "running", "lineage": {"parentID": "sbx-b"}},
+    ],
+}
+
+
+def test_tree(cli: CliRunner, fake: FakeAenv) -> None:
+    fake.add("sbx-b")
+    fake.lineages["sbx-b"] = _TREE
+    res = cli.invoke(app, ["tree", "sbx-b"])
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.splitlines() == [
+        "base",
+        "└─ sbx-a  (running)",
+        "   └─ sbx-b  (this)  fork  <-",
+        "      ├─ sbx-c  (paused)  fork",
+        "      │  └─ sbx-e  (running)  snapshot snap1",
+        "      └─ sbx-d  (running)  fork",
+    ]
+    res = cli.invoke(app, ["tree", "sbx-b", "-o", "json"])
+    assert json.loads(res.stdout) == _TREE
+    res = cli.invoke(app, ["tree", "nope"])
+    assert res.exit_code == 1 and "not found" in _one_error_line(res.stderr)
