@@ -264,3 +264,15 @@ async def test_a_bulk_operation_runs_on_every_node_and_a_kill_unbinds(
         assert r.json()["failed"] == [] and "unreachableNodes" not in r.json()
         for sid in ids:
             assert await state.binding(sid) is None
+
+
+async def test_a_fork_of_a_snapshot_goes_where_the_snapshot_is(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    async with cluster(redis, tmp_path) as (client, a, b, state):
+        await state.bind_template("snap1", b.node_id)
+        r = await client.post("/sandboxes/snap1/fork", json={"count": 2})
+        assert r.status_code == 201, r.text
+        assert "POST /sandboxes/snap1/fork" in b.seen and not a.seen
+        for child in ("snap1c0", "snap1c1"):
+            assert await state.binding(child) == b.node_id

@@ -144,3 +144,23 @@ def _record(lineage: Lineage) -> SandboxRecord:
         envd_access_token="t",
         lineage=lineage,
     )
+
+
+async def test_fork_from_a_named_snapshot_with_count(
+    client: httpx.AsyncClient, node: Harness
+) -> None:
+    """aenv's: a snapshot's id or name in place of a sandbox's in the fork route."""
+    src = (await running(node, metadata={"k": "v"})).sandbox_id
+    r = await client.post(f"/sandboxes/{src}/snapshots", json={"name": "fork-me"})
+    snap = r.json()["snapshotID"]
+    for source in (snap, "fork-me"):
+        made = await _fork(client, source, 3)
+        assert len(set(made)) == 3
+        for sid in made:
+            lin = (await client.get(f"/sandboxes/{sid}")).json()["lineage"]
+            assert lin == {"templateID": "base", "snapshotID": snap, "snapshotOf": src}
+    assert len((await _tree(client, src))["descendants"]) == 6
+    r = await client.post("/sandboxes/nope/fork", json={"count": 2})
+    assert r.status_code == 404
+    r = await client.post("/sandboxes/fork-me/fork", json={"count": 0})
+    assert r.status_code == 400

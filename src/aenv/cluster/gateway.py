@@ -181,8 +181,18 @@ class Gateway:
 
     async def _sandbox(self, request: Request, sandbox_id: str, rest: str) -> Response:
         resume = request.method == "POST" and rest in _RESUMES
-        node = await self.directory.usable(sandbox_id, self._release, self._adopt, resume=resume)
-        if request.method == "POST" and rest == "/fork":
+        fork = request.method == "POST" and rest == "/fork"
+        try:
+            node = await self.directory.usable(
+                sandbox_id, self._release, self._adopt, resume=resume
+            )
+        except NotFound:
+            if not fork:
+                raise
+            # Not a sandbox: aenv's fork of a snapshot by id or name (docs/fork-tree.md),
+            # sent where that snapshot is, as a create from it would be.
+            node = await self._node_of_template(sandbox_id)
+        if fork:
             resp = await self.nodes.send(request, node)
             for item in _json_list(resp.content):
                 child = (item.get("sandbox") or {}).get("sandboxID")
