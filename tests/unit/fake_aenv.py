@@ -124,8 +124,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- control plane ------------------------------------------------------------------
 
-    def _bulk(self, method: str, query: dict[str, list[str]]) -> None:
-        """`DELETE /sandboxes` and `POST /sandboxes/pause` by metadata, as a node answers."""
+    def _bulk(self, method: str, parts: list[str], query: dict[str, list[str]]) -> None:
+        """`DELETE /sandboxes`, `POST /sandboxes/pause` and `/timeout` by metadata, as a
+        node answers (the timeout changes nothing here)."""
         want = {k: v[0] for k, v in parse_qs(query.get("metadata", [""])[0]).items()}
         if not want:
             return self._error(400, "a non-empty metadata query is required")
@@ -140,7 +141,7 @@ class _Handler(BaseHTTPRequestHandler):
             elif sb["metadata"].get("stuck"):
                 failed.append({"sandboxID": sid, "code": 503, "message": "would not pause"})
                 continue
-            else:
+            elif parts[-1] == "pause":
                 sb["state"] = "paused"
             done.append(sid)
         return self._send(200, {"sandboxIDs": done, "failed": failed})
@@ -191,8 +192,12 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         if method == "GET" and parts == ["snapshots"]:
             return self._send(200, fake.snapshots)
-        if (method, parts) in (("DELETE", ["sandboxes"]), ("POST", ["sandboxes", "pause"])):
-            return self._bulk(method, query)
+        if (method, parts) in (
+            ("DELETE", ["sandboxes"]),
+            ("POST", ["sandboxes", "pause"]),
+            ("POST", ["sandboxes", "timeout"]),
+        ):
+            return self._bulk(method, parts, query)
         if len(parts) >= 2 and parts[0] in ("sandboxes", "v2"):
             sid = parts[1] if parts[0] == "sandboxes" else parts[2]
             found = fake.sandboxes.get(sid)

@@ -97,3 +97,30 @@ def test_tree(cli: CliRunner, fake: FakeAenv) -> None:
     assert json.loads(res.stdout) == _TREE
     res = cli.invoke(app, ["tree", "nope"])
     assert res.exit_code == 1 and "not found" in _one_error_line(res.stderr)
+
+
+def test_timeout_one_or_all(cli: CliRunner, fake: FakeAenv) -> None:
+    fake.add("sbx-a", metadata={"run": "r1"})
+    fake.add("sbx-b", metadata={"run": "r2"})
+    res = cli.invoke(app, ["timeout", "sbx-a", "30"])
+    assert res.exit_code == 0 and res.stdout.strip() == "sbx-a"
+    method, path, _, body = fake.requests[-1]
+    assert (method, path, json.loads(body)) == ("POST", "/sandboxes/sbx-a/timeout", {"timeout": 30})
+    res = cli.invoke(app, ["timeout", "--all", "-m", "run=r1", "600"])
+    assert res.exit_code == 0 and res.stdout.split() == ["sbx-a"]
+    method, path, _, body = fake.requests[-1]
+    assert (method, urlsplit(path).path) == ("POST", "/sandboxes/timeout")
+    assert parse_qs(_query(path)["metadata"][0]) == {"run": ["r1"]}
+    assert json.loads(body) == {"timeout": 600}
+    sent = len(fake.requests)
+    for args in (
+        ["timeout", "sbx-a"],
+        ["timeout", "sbx-a", "x"],
+        ["timeout", "--all", "600"],
+        ["timeout", "--all", "-m", "run=r1", "sbx-a", "600"],
+        ["timeout", "a", "b", "600"],
+    ):
+        res = cli.invoke(app, args)
+        assert res.exit_code == 2, args
+        _one_error_line(res.stderr)
+    assert len(fake.requests) == sent

@@ -11,7 +11,15 @@ from typing import Any
 
 import httpx
 
-from aenv.domain import Lineage, SandboxRecord, SandboxState, record_from_json, record_to_json
+from aenv.domain import (
+    Lineage,
+    SandboxRecord,
+    SandboxState,
+    TemplateKind,
+    TemplateRecord,
+    record_from_json,
+    record_to_json,
+)
 from aenv.orchestrator import lineage_tree
 from tests.node_harness import Harness, started
 from tests.unit.api_node import running
@@ -125,6 +133,18 @@ def test_records_without_lineage_read_as_before() -> None:
     assert record_from_json(json.dumps(doc)).lineage == Lineage(
         template_id="base", parent_id="iparent"
     )
+
+
+def test_a_hibernated_sandbox_moves_with_its_lineage() -> None:
+    """Between nodes a hibernated sandbox travels as its record in the repository's
+    hibernation document (TemplateRecord.hibernated)."""
+    lin = Lineage(template_id="base", snapshot_id="isnap", snapshot_of="isrc")
+    hib = TemplateRecord(
+        template_id="ihib", kind=TemplateKind.HIBERNATION, layers=[], hibernated=_record(lin)
+    )
+    doc = json.loads(json.dumps(hib.to_doc()))
+    back = TemplateRecord.from_doc("ihib", doc).hibernated
+    assert back is not None and back.lineage == lin
 
 
 def _record(lineage: Lineage) -> SandboxRecord:

@@ -277,7 +277,9 @@ MatchOpt = Annotated[
 ]
 
 
-def _bulk(ctx: typer.Context, method: str, path: str, metadata: list[str] | None) -> None:
+def _bulk(
+    ctx: typer.Context, method: str, path: str, metadata: list[str] | None, body: Any = None
+) -> None:
     """One server call on every sandbox matching `metadata`: prints each affected ID, and
     fails (exit 1) if any sandbox could not be acted on."""
     meta = pairs(metadata, "--metadata")
@@ -286,7 +288,7 @@ def _bulk(ctx: typer.Context, method: str, path: str, metadata: list[str] | None
             "--all needs --metadata KEY=VALUE: it never means every sandbox"
         )
     with state_of(ctx).control() as cp:
-        answer = cp.bulk(method, path, meta)
+        answer = cp.bulk(method, path, meta, body)
     for sandbox_id in answer.get("sandboxIDs") or []:
         print(sandbox_id, flush=True)
     failed = answer.get("failed") or []
@@ -397,22 +399,36 @@ def resume(
 
 def timeout_(
     ctx: typer.Context,
-    sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="Sandbox ID.")],
-    seconds: Annotated[
-        int, typer.Argument(metavar="SECS", min=0, help="Seconds to live from now.")
+    args: Annotated[
+        list[str], typer.Argument(metavar="ID SECS | SECS", help="Sandbox ID and seconds.")
     ],
+    all_: AllOpt = False,
+    metadata: MatchOpt = None,
 ) -> None:
-    """Set a sandbox's remaining lifetime.
+    """Set a sandbox's remaining lifetime (seconds from now).
 
     Examples:
 
     ```
     aenv timeout i1a2b3c4d5 3600
+    aenv timeout --all -m run=r1 600    # every running sandbox with that metadata
     ```
     """
+    # ID then SECS, or SECS alone with --all: one list, as typer has no optional first
+    # positional before a required one.
+    *ids, secs = args
+    if not secs.isdigit():
+        raise _click.exceptions.UsageError(f"SECS must be a whole number of seconds, got {secs!r}")
+    seconds = int(secs)
+    ids = _ids_or_all(ids or None, all_, metadata)
+    if all_:
+        _bulk(ctx, "POST", "/sandboxes/timeout", metadata, {"timeout": seconds})
+        return
+    if len(ids) != 1:
+        raise _click.exceptions.UsageError("give one sandbox ID and the seconds")
     with state_of(ctx).control() as cp:
-        cp.set_timeout(sandbox_id, seconds)
-    print(sandbox_id)
+        cp.set_timeout(ids[0], seconds)
+    print(ids[0])
 
 
 def inspect(
