@@ -35,7 +35,7 @@ from ..proxy.dispatch import Route as SandboxRoute
 from ..proxy.dispatch import SandboxRouter
 from ..serving import Lifespan
 from ..telemetry import set_route
-from .aggregate import merge_pages, node_view
+from .aggregate import BulkJoin, merge_pages, node_view
 from .directory import Directory, NodeLost
 from .forward import NodeClient, NodeError, NodeUnreachable
 from .gwevents import GatewayEvents
@@ -353,36 +353,25 @@ class Gateway:
         return JSONResponse(merged)
 
     async def _bulk(self, request: Request) -> Response:
-        """A bulk operation on every healthy node, the answers joined. A node that could not
-        be reached is named in `unreachableNodes` (its sandboxes were not acted on); the
-        others' acts are not undone, so the answer is a 200 all the same."""
+        """A bulk operation on every healthy node, the answers joined (`BulkJoin`): a 200
+        even when a node was not reached, since the others' acts are not undone."""
         body = await request.body()
         nodes = await self.directory.healthy()
         answers = await asyncio.gather(
             *(self.nodes.send(request, n, body=body) for n in nodes), return_exceptions=True
         )
-        done: list[Any] = []
-        failed: list[Any] = []
-        unreachable: list[str] = []
+        joined = BulkJoin()
         for node, a in zip(nodes, answers, strict=True):
             if isinstance(a, BaseException):
                 log.warning("bulk %s on node %s failed: %s", request.url.path, node.node_id, a)
-                unreachable.append(node.node_id)
-                continue
-            if a.status_code >= 400:
+                joined.unreachable.append(node.node_id)
+            elif a.status_code >= 400:
                 return _plain(a)  # an empty query or a bad body: the same on every node
-            answer = _json(a.content)
-            ids = [i for i in answer.get("sandboxIDs") or [] if isinstance(i, str)]
-            if request.method == "DELETE":  # killed: unbound, as a kill of one is
-                for sandbox_id in ids:
+            elif (ids := joined.add(_json(a.content))) and request.method == "DELETE":
+                for sandbox_id in ids:  # killed: unbound, as a kill of one is
                     await self.state.unbind(sandbox_id)
                     self.directory.forget(sandbox_id)
-            done.extend(ids)
-            failed.extend(answer.get("failed") or [])
-        merged: dict[str, Any] = {"sandboxIDs": done, "failed": failed}
-        if unreachable:
-            merged["unreachableNodes"] = unreachable
-        return JSONResponse(merged)
+        return JSONResponse(joined.doc())
 
     # ------------------------------------------------------------------ metrics
     async def _metrics(self, request: Request) -> Response:
