@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pty
 import select
@@ -119,3 +120,29 @@ def test_snapshot_and_fork_commands(server: Server) -> None:
         aenv(server, "template", "rm", snap)
     finally:
         aenv(server, "rm", sid, *kids, check=False)
+
+
+def test_tree_fork_from_a_snapshot_and_rm_all(server: Server) -> None:
+    """Lineage through a fork and a snapshot, N sandboxes from a named snapshot, and a bulk
+    kill by metadata that takes exactly the matching ones."""
+    tag = f"lin{time.time_ns()}"
+    sid = aenv(server, "start", "--detach", "-m", f"sweep={tag}").stdout.strip()
+    kids: list[str] = []
+    made: list[str] = []
+    try:
+        kids = aenv(server, "fork", sid).stdout.split()  # a fork child keeps the metadata
+        snap = aenv(server, "snapshot", "create", kids[0], "--name", f"lin-{sid}").stdout.strip()
+        made = aenv(server, "fork", f"lin-{sid}", "--count", "2").stdout.split()
+        assert len(made) == 2
+        tree = json.loads(aenv(server, "tree", made[0], "-o", "json").stdout)
+        assert [a["sandboxID"] for a in tree["ancestors"]] == [sid, kids[0]]
+        assert tree["lineage"]["snapshotID"] == snap
+        drawn = aenv(server, "tree", sid).stdout
+        assert all(i in drawn for i in (sid, *kids, *made))
+        killed = aenv(server, "rm", "--all", "-m", f"sweep={tag}").stdout.split()
+        assert sorted(killed) == sorted([sid, *kids])
+        tree = json.loads(aenv(server, "tree", made[1], "-o", "json").stdout)
+        assert tree["ancestors"] == [{"sandboxID": kids[0], "state": "killed"}]
+    finally:
+        aenv(server, "rm", sid, *kids, *made, check=False)
+        aenv(server, "template", "rm", f"lin-{sid}", check=False)

@@ -42,6 +42,8 @@ class FakeAenv:
         self.updates: list[dict[str, Any]] = []
         self.signals: list[dict[str, Any]] = []
         self.snapshots: list[dict[str, Any]] = []
+        # What `GET /sandboxes/{id}/lineage` answers, by id.
+        self.lineages: dict[str, dict[str, Any]] = {}
         self.page_size = 2
         self.next_pid = 100
         self.gate = threading.Event()
@@ -122,6 +124,28 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- control plane ------------------------------------------------------------------
 
+    def _bulk(self, method: str, parts: list[str], query: dict[str, list[str]]) -> None:
+        """`DELETE /sandboxes`, `POST /sandboxes/pause` and `/timeout` by metadata, as a
+        node answers (the timeout changes nothing here)."""
+        want = {k: v[0] for k, v in parse_qs(query.get("metadata", [""])[0]).items()}
+        if not want:
+            return self._error(400, "a non-empty metadata query is required")
+        done, failed = [], []
+        for sid, sb in list(self.fake.sandboxes.items()):
+            if any(sb["metadata"].get(k) != v for k, v in want.items()):
+                continue
+            if method == "DELETE":
+                del self.fake.sandboxes[sid]
+            elif sb["state"] == "paused":
+                continue
+            elif sb["metadata"].get("stuck"):
+                failed.append({"sandboxID": sid, "code": 503, "message": "would not pause"})
+                continue
+            elif parts[-1] == "pause":
+                sb["state"] = "paused"
+            done.append(sid)
+        return self._send(200, {"sandboxIDs": done, "failed": failed})
+
     def _control(self, method: str, path: str, query: dict[str, list[str]], body: bytes) -> None:
         fake = self.fake
         if self.headers.get("X-API-KEY") != API_KEY:
@@ -168,6 +192,12 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         if method == "GET" and parts == ["snapshots"]:
             return self._send(200, fake.snapshots)
+        if (method, parts) in (
+            ("DELETE", ["sandboxes"]),
+            ("POST", ["sandboxes", "pause"]),
+            ("POST", ["sandboxes", "timeout"]),
+        ):
+            return self._bulk(method, parts, query)
         if len(parts) >= 2 and parts[0] in ("sandboxes", "v2"):
             sid = parts[1] if parts[0] == "sandboxes" else parts[2]
             found = fake.sandboxes.get(sid)
@@ -176,6 +206,8 @@ class _Handler(BaseHTTPRequestHandler):
             sb = found
             if method == "GET" and parts == ["sandboxes", sid]:
                 return self._send(200, sb)
+            if method == "GET" and parts == ["sandboxes", sid, "lineage"]:
+                return self._send(200, fake.lineages[sid])
             if method == "DELETE" and parts == ["sandboxes", sid]:
                 del fake.sandboxes[sid]
                 return self._send(204)

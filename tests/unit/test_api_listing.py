@@ -49,6 +49,8 @@ async def test_get_detail_shape(client: httpx.AsyncClient, node: Harness) -> Non
         },
         "domain": None,
         "lifecycle": {"autoResume": True, "onTimeout": "pause"},
+        # aenv's, next to E2B's (docs/fork-tree.md); the SDKs ignore it.
+        "lineage": {"templateID": "base"},
     }
     assert datetime.fromisoformat(body["startedAt"]) == node.clock.now
     assert datetime.fromisoformat(body["endAt"]) == node.clock.now + timedelta(

@@ -90,8 +90,21 @@ class FakeNode:
             ]
             return JSONResponse(items, headers={"X-Total-Running": str(len(items))})
 
+        async def bulk(request: Request) -> Response:
+            # Every sandbox here "matches"; a node refuses an empty query.
+            self.seen.append(f"{request.method} {request.url.path}")
+            if not request.query_params.get("metadata"):
+                return JSONResponse({"code": 400, "message": "metadata required"}, 400)
+            done = sorted(self.sandboxes)
+            if request.method == "DELETE":
+                self.sandboxes.clear()
+            return JSONResponse({"sandboxIDs": done, "failed": []})
+
         return Starlette(
             routes=[
+                Route("/sandboxes", bulk, methods=["DELETE"]),
+                Route("/sandboxes/pause", bulk, methods=["POST"]),
+                Route("/sandboxes/timeout", bulk, methods=["POST"]),
                 Route("/v2/sandboxes", listing, methods=["GET"]),
                 Route("/cluster/signed", signed, methods=["POST"]),
                 Route("/files", files, methods=["GET", "POST"]),
@@ -227,3 +240,39 @@ async def test_the_running_count_of_a_listing_is_every_nodes(
         r = await client.get("/v2/sandboxes", params={"limit": 2})
         assert len(r.json()) == 2 and r.headers["X-Total-Running"] == "5"
         assert len(a.sandboxes) + len(b.sandboxes) == 5
+
+
+async def test_a_bulk_operation_runs_on_every_node_and_a_kill_unbinds(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    async with cluster(redis, tmp_path) as (client, a, b, state):
+        made = []
+        for _ in range(4):
+            made.append((await client.post("/v2/sandboxes", json={"templateID": "base"})).json())
+        ids = sorted(m["sandboxID"] for m in made)
+        assert a.sandboxes and b.sandboxes  # spread over both
+        q = {"metadata": "run=r1"}
+        r = await client.post("/sandboxes/timeout", params=q, json={"timeout": 60})
+        assert r.status_code == 200 and sorted(r.json()["sandboxIDs"]) == ids
+        assert "POST /sandboxes/timeout" in a.seen and "POST /sandboxes/timeout" in b.seen
+        r = await client.post("/sandboxes/pause", params=q)
+        assert sorted(r.json()["sandboxIDs"]) == ids
+        assert (await client.delete("/sandboxes")).status_code == 400  # no query: nothing
+        assert len(a.sandboxes) + len(b.sandboxes) == 4
+        r = await client.delete("/sandboxes", params=q)
+        assert r.status_code == 200 and sorted(r.json()["sandboxIDs"]) == ids
+        assert r.json()["failed"] == [] and "unreachableNodes" not in r.json()
+        for sid in ids:
+            assert await state.binding(sid) is None
+
+
+async def test_a_fork_of_a_snapshot_goes_where_the_snapshot_is(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    async with cluster(redis, tmp_path) as (client, a, b, state):
+        await state.bind_template("snap1", b.node_id)
+        r = await client.post("/sandboxes/snap1/fork", json={"count": 2})
+        assert r.status_code == 201, r.text
+        assert "POST /sandboxes/snap1/fork" in b.seen and not a.seen
+        for child in ("snap1c0", "snap1c1"):
+            assert await state.binding(child) == b.node_id

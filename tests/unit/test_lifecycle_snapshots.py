@@ -117,7 +117,7 @@ async def test_fork_children_and_parent(node: Harness) -> None:
     addresses = {k.address for k in kids} | {node.orch.table.get(parent.sandbox_id).address}
     assert len(addresses) == 4
     for k in kids:
-        assert k.parent_id == parent.sandbox_id and k.metadata == {"k": "v"}
+        assert k.lineage.parent_id == parent.sandbox_id and k.metadata == {"k": "v"}
         p = node.orch.table.get(parent.sandbox_id)  # children run on a copy of its upper
         assert k.layers == [*p.copied_as, *p.layers] and len(p.copied_as) == 1
         assert k.envd_access_token != parent.envd_access_token or not k.envd_access_token

@@ -120,7 +120,7 @@ async def test_fork_of_a_paused_parent_leaves_it_paused(node: Harness, tier: Pau
     for k in kids:
         assert k.state is SandboxState.RUNNING and k.instance is not None
         assert node.runtime.state(k.instance) is FakeState.RUNNING
-        assert k.parent_id == parent.sandbox_id and k.metadata == {"k": "v"}
+        assert k.lineage.parent_id == parent.sandbox_id and k.metadata == {"k": "v"}
         assert seen(node, k, "f.txt") == "from the parent"
         ttl = (k.end_at - node.clock.now).total_seconds()
         assert ttl == node.settings.default_timeout

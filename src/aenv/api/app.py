@@ -26,11 +26,13 @@ from .limits import BodyLimit
 from .requestid import RequestId
 from .routes import (
     builds,
+    bulk,
     cluster,
     docs,
     events,
     health,
     images,
+    lineage,
     observability,
     sandboxes,
     snapshots,
@@ -77,7 +79,11 @@ def create_control_app(
     app.include_router(docs.router)
     # Before sandboxes: its `/sandboxes/{id}` would take `/sandboxes/metrics`.
     app.include_router(observability.router)
+    # Before sandboxes, for clarity: `/sandboxes/pause` and `/sandboxes/timeout` are bulk
+    # (no sandbox route has that shape, but an id-shaped segment is easy to misread).
+    app.include_router(bulk.router)
     app.include_router(sandboxes.router)
+    app.include_router(lineage.router)
     builds.attach(app, builder)  # template builds; before snapshots (its /templates/{id:path})
     app.include_router(tags.router)  # likewise
     app.include_router(images.router)

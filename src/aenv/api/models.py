@@ -19,7 +19,14 @@ from pydantic import (
     model_serializer,
 )
 
-from aenv.domain import DEFAULT_TEMPLATE, CreateRequest, EgressPolicy, MountRequest, SandboxRecord
+from aenv.domain import (
+    DEFAULT_TEMPLATE,
+    CreateRequest,
+    EgressPolicy,
+    Lineage,
+    MountRequest,
+    SandboxRecord,
+)
 from aenv.domain import SandboxState as State
 from aenv.errors import BadRequest
 from aenv.secretstore import SecretStore
@@ -367,6 +374,21 @@ class ListedSandbox(_SandboxInfo):
         return cls(**cls._common(record, state))
 
 
+class BulkFailure(_Response):
+    """A sandbox a bulk operation could not act on, and why."""
+
+    sandbox_id: str = Field(alias="sandboxID")
+    code: int
+    message: str
+
+
+class BulkResult(_Response):
+    """Answer of the bulk routes (routes/bulk.py): the ids acted on, the ids that failed."""
+
+    sandbox_ids: list[str] = Field(alias="sandboxIDs")
+    failed: list[BulkFailure] = Field(default_factory=list)
+
+
 class Lifecycle(_Response):
     auto_resume: bool = Field(alias="autoResume")
     on_timeout: Literal["pause", "kill"] = Field(alias="onTimeout")
@@ -400,6 +422,48 @@ class NetworkInfo(_Response):
         )
 
 
+class LineageInfo(_Response):
+    """Where a sandbox came from (aenv's, docs/fork-tree.md; the E2B SDKs ignore it)."""
+
+    template_id: str | None = Field(default=None, alias="templateID")
+    snapshot_id: str | None = Field(default=None, alias="snapshotID")
+    snapshot_of: str | None = Field(default=None, alias="snapshotOf")
+    parent_id: str | None = Field(default=None, alias="parentID")
+    fork_point: str | None = Field(default=None, alias="forkPoint")
+
+    @classmethod
+    def of(cls, lineage: Lineage) -> LineageInfo:
+        return cls(
+            templateID=lineage.template_id,
+            snapshotID=lineage.snapshot_id,
+            snapshotOf=lineage.snapshot_of,
+            parentID=lineage.parent_id,
+            forkPoint=lineage.fork_point,
+        )
+
+
+class LineageAncestor(_Response):
+    sandbox_id: str = Field(alias="sandboxID")
+    state: Literal["running", "paused", "killed"]
+    lineage: LineageInfo | None = None  # unknown for a killed one
+
+
+class LineageDescendant(_Response):
+    sandbox_id: str = Field(alias="sandboxID")
+    state: ApiState
+    lineage: LineageInfo
+    children: list[LineageDescendant] = Field(default_factory=list)
+
+
+class LineageTreeInfo(_Response):
+    """`GET /sandboxes/{id}/lineage`: ancestors oldest first, live descendants as a tree."""
+
+    sandbox_id: str = Field(alias="sandboxID")
+    lineage: LineageInfo
+    ancestors: list[LineageAncestor]
+    descendants: list[LineageDescendant]
+
+
 class SandboxDetail(_SandboxInfo):
     """`GET /sandboxes/{id}`."""
 
@@ -410,6 +474,7 @@ class SandboxDetail(_SandboxInfo):
     network: NetworkInfo | None = None
     domain: str | None = None
     lifecycle: Lifecycle
+    lineage: LineageInfo
 
     @classmethod
     def from_record(
@@ -425,6 +490,7 @@ class SandboxDetail(_SandboxInfo):
                 autoResume=record.auto_resume,
                 onTimeout="pause" if record.auto_pause else "kill",
             ),
+            lineage=LineageInfo.of(record.lineage),
         )
 
 

@@ -156,8 +156,26 @@ class ControlPlane:
             raise CliError("the server's info answer is not a JSON object")
         return data
 
+    def lineage(self, sandbox_id: str) -> dict[str, Any]:
+        path = f"/sandboxes/{url_segment(sandbox_id)}/lineage"
+        data = self._json(self.request("GET", path))
+        if not isinstance(data, dict):
+            raise CliError("the server's lineage answer is not a JSON object")
+        return data
+
     def kill(self, sandbox_id: str) -> None:
         self.request("DELETE", f"/sandboxes/{url_segment(sandbox_id)}", ok=(204, 200))
+
+    def bulk(
+        self, method: str, path: str, metadata: Mapping[str, str], json: Any = None
+    ) -> dict[str, Any]:
+        """A bulk lifecycle call (`DELETE /sandboxes`, `POST /sandboxes/pause`) on the
+        sandboxes matching `metadata`: the server's `{"sandboxIDs", "failed"}`."""
+        resp = self.request(method, path, params={"metadata": urlencode(dict(metadata))}, json=json)
+        data = self._json(resp)
+        if not isinstance(data, dict):
+            raise CliError("the server's bulk answer is not a JSON object")
+        return data
 
     def pause(self, sandbox_id: str) -> None:
         self.request("POST", f"/sandboxes/{url_segment(sandbox_id)}/pause", json={}, ok=(204, 200))

@@ -26,6 +26,7 @@ from . import (
     copy,
     execute,
     keys,
+    lineage,
     nodes,
     observe,
     sandboxes,
@@ -284,6 +285,7 @@ app.command("pause", rich_help_panel=SANDBOXES)(sandboxes.pause)
 app.command("resume", rich_help_panel=SANDBOXES)(sandboxes.resume)
 app.command("timeout", rich_help_panel=SANDBOXES)(sandboxes.timeout_)
 app.command("fork", rich_help_panel=SANDBOXES)(snapshots.fork)
+app.command("tree", rich_help_panel=SANDBOXES)(lineage.tree)
 app.command("cp", rich_help_panel=FILES)(copy.cp)
 app.command("logs", rich_help_panel=FILES)(observe.logs)
 app.command("top", rich_help_panel=FILES)(observe.top)

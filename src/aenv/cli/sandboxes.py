@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
+from typer import _click
 
 from ..domain import DEFAULT_TEMPLATE
 from .client import ControlPlane
@@ -266,9 +267,59 @@ def ls(
         )
 
 
+AllOpt = Annotated[
+    bool,
+    typer.Option("--all", help="Every sandbox matching --metadata (which is then required)."),
+]
+MatchOpt = Annotated[
+    list[str] | None,
+    typer.Option("--metadata", "-m", metavar="KEY=VALUE", help="With --all: match (repeatable)."),
+]
+
+
+def _bulk(
+    ctx: typer.Context, method: str, path: str, metadata: list[str] | None, body: Any = None
+) -> None:
+    """One server call on every sandbox matching `metadata`: prints each affected ID, and
+    fails (exit 1) if any sandbox could not be acted on."""
+    meta = pairs(metadata, "--metadata")
+    if not meta:  # the server refuses too; said here with the flag's name
+        raise _click.exceptions.UsageError(
+            "--all needs --metadata KEY=VALUE: it never means every sandbox"
+        )
+    with state_of(ctx).control() as cp:
+        answer = cp.bulk(method, path, meta, body)
+    for sandbox_id in answer.get("sandboxIDs") or []:
+        print(sandbox_id, flush=True)
+    failed = answer.get("failed") or []
+    for f in failed:
+        note(f"{f.get('sandboxID')}: {f.get('message')}")
+    for node_id in answer.get("unreachableNodes") or []:
+        note(f"node {node_id} was not reached: its sandboxes were left as they were")
+    if failed or answer.get("unreachableNodes"):
+        raise typer.Exit(1)
+
+
+def _ids_or_all(ids: list[str] | None, all_: bool, metadata: list[str] | None) -> list[str]:
+    """The IDs given, or none with `--all`; a wrong mix is a usage error (exit 2)."""
+    if all_ and ids:
+        raise _click.exceptions.UsageError(
+            "give sandbox IDs or --all --metadata KEY=VALUE, not both"
+        )
+    if not all_ and metadata:
+        raise _click.exceptions.UsageError("--metadata selects sandboxes only with --all")
+    if not all_ and not ids:
+        raise _click.exceptions.UsageError("give sandbox IDs, or --all --metadata KEY=VALUE")
+    return ids or []
+
+
 def rm(
     ctx: typer.Context,
-    sandbox_ids: Annotated[list[str], typer.Argument(metavar="ID...", help="Sandbox IDs.")],
+    sandbox_ids: Annotated[
+        list[str] | None, typer.Argument(metavar="[ID...]", help="Sandbox IDs.")
+    ] = None,
+    all_: AllOpt = False,
+    metadata: MatchOpt = None,
 ) -> None:
     """Remove (kill) sandboxes; prints each removed ID.
 
@@ -277,11 +328,16 @@ def rm(
     ```
     aenv rm i1a2b3c4d5
     aenv ls -s paused -q | xargs aenv rm
+    aenv rm --all -m run=r1             # every sandbox with that metadata, in one call
     ```
     """
+    ids = _ids_or_all(sandbox_ids, all_, metadata)
+    if all_:
+        _bulk(ctx, "DELETE", "/sandboxes", metadata)
+        return
     failed = False
     with state_of(ctx).control() as cp:
-        for sandbox_id in sandbox_ids:
+        for sandbox_id in ids:
             try:
                 cp.kill(sandbox_id)
             except CliError as exc:
@@ -298,7 +354,9 @@ def rm(
 
 def pause(
     ctx: typer.Context,
-    sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="Sandbox ID.")],
+    sandbox_id: Annotated[str | None, typer.Argument(metavar="[ID]", help="Sandbox ID.")] = None,
+    all_: AllOpt = False,
+    metadata: MatchOpt = None,
 ) -> None:
     """Pause a running sandbox (memory and filesystem are kept).
 
@@ -306,11 +364,16 @@ def pause(
 
     ```
     aenv pause i1a2b3c4d5
+    aenv pause --all -m run=r1          # every running sandbox with that metadata
     ```
     """
+    ids = _ids_or_all([sandbox_id] if sandbox_id else None, all_, metadata)
+    if all_:
+        _bulk(ctx, "POST", "/sandboxes/pause", metadata)
+        return
     with state_of(ctx).control() as cp:
-        cp.pause(sandbox_id)
-    print(sandbox_id)
+        cp.pause(ids[0])
+    print(ids[0])
 
 
 def resume(
@@ -336,22 +399,36 @@ def resume(
 
 def timeout_(
     ctx: typer.Context,
-    sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="Sandbox ID.")],
-    seconds: Annotated[
-        int, typer.Argument(metavar="SECS", min=0, help="Seconds to live from now.")
+    args: Annotated[
+        list[str], typer.Argument(metavar="ID SECS | SECS", help="Sandbox ID and seconds.")
     ],
+    all_: AllOpt = False,
+    metadata: MatchOpt = None,
 ) -> None:
-    """Set a sandbox's remaining lifetime.
+    """Set a sandbox's remaining lifetime (seconds from now).
 
     Examples:
 
     ```
     aenv timeout i1a2b3c4d5 3600
+    aenv timeout --all -m run=r1 600    # every running sandbox with that metadata
     ```
     """
+    # ID then SECS, or SECS alone with --all: one list, as typer has no optional first
+    # positional before a required one.
+    *ids, secs = args
+    if not secs.isdigit():
+        raise _click.exceptions.UsageError(f"SECS must be a whole number of seconds, got {secs!r}")
+    seconds = int(secs)
+    ids = _ids_or_all(ids or None, all_, metadata)
+    if all_:
+        _bulk(ctx, "POST", "/sandboxes/timeout", metadata, {"timeout": seconds})
+        return
+    if len(ids) != 1:
+        raise _click.exceptions.UsageError("give one sandbox ID and the seconds")
     with state_of(ctx).control() as cp:
-        cp.set_timeout(sandbox_id, seconds)
-    print(sandbox_id)
+        cp.set_timeout(ids[0], seconds)
+    print(ids[0])
 
 
 def inspect(

@@ -119,7 +119,9 @@ SNAPSHOTS = Listing(
 
 def fork(
     ctx: typer.Context,
-    sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="Sandbox ID.")],
+    sandbox_id: Annotated[
+        str, typer.Argument(metavar="ID", help="Sandbox ID, or a snapshot's ID or name.")
+    ],
     count: Annotated[int, typer.Option("--count", "-c", min=1, max=20, help="Children.")] = 1,
     timeout: Annotated[
         int | None, typer.Option("--timeout", "-t", min=1, help="Children's lifetime (s).")
@@ -127,13 +129,15 @@ def fork(
 ) -> None:
     """Fork a running or paused sandbox into N children that continue from its memory.
 
-    A files-only paused sandbox's children boot fresh on its files. Prints the children's
-    ids; a failed child is reported on stderr and makes the exit code 1.
+    A files-only paused sandbox's children boot fresh on its files. Given a snapshot
+    instead, N sandboxes are created from it in one call. Prints the children's ids; a
+    failed child is reported on stderr and makes the exit code 1.
 
     Examples:
 
     ```
     aenv fork i1a2b3c4d5 --count 4 --timeout 600
+    aenv fork my-snapshot --count 8     # 8 sandboxes from a named snapshot
     ```
     """
     body: dict[str, Any] = {"count": count}

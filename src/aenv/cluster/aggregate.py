@@ -1,7 +1,8 @@
 """Listings merged across nodes. Every node pages by position — the (time, id) of the last
 item, after which its next page starts — so the same cursor is meaningful on all of them:
 the gateway asks each node for a page after the client's cursor, merges the pages in
-order and cuts at `limit`; its own cursor is the position of the last item it returned."""
+order and cuts at `limit`; its own cursor is the position of the last item it returned.
+Bulk operations' answers are joined here too."""
 
 from __future__ import annotations
 
@@ -72,3 +73,27 @@ def node_view(n: NodeRecord) -> dict[str, Any]:
         "freeMemoryMB": n.free_memory_mb,
         "templates": n.templates,
     }
+
+
+class BulkJoin:
+    """The answers of every node to a bulk operation (api/routes/bulk.py), joined: the ids
+    acted on, the failures, and the nodes that could not be reached (their sandboxes were
+    left as they were; the others' acts stand)."""
+
+    def __init__(self) -> None:
+        self.done: list[str] = []
+        self.failed: list[Any] = []
+        self.unreachable: list[str] = []
+
+    def add(self, answer: dict[str, Any]) -> list[str]:
+        """One node's answer; the ids it acted on."""
+        ids = [i for i in answer.get("sandboxIDs") or [] if isinstance(i, str)]
+        self.done.extend(ids)
+        self.failed.extend(answer.get("failed") or [])
+        return ids
+
+    def doc(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"sandboxIDs": self.done, "failed": self.failed}
+        if self.unreachable:
+            out["unreachableNodes"] = self.unreachable
+        return out

@@ -35,7 +35,7 @@ from ..proxy.dispatch import Route as SandboxRoute
 from ..proxy.dispatch import SandboxRouter
 from ..serving import Lifespan
 from ..telemetry import set_route
-from .aggregate import merge_pages, node_view
+from .aggregate import BulkJoin, merge_pages, node_view
 from .directory import Directory, NodeLost
 from .forward import NodeClient, NodeError, NodeUnreachable
 from .gwevents import GatewayEvents
@@ -55,6 +55,8 @@ _BUILD_FILES = re.compile(r"^/build-files/([^/]+)$")
 _FILES_LINK = re.compile(r"^/templates/([^/]+)/files/([^/]+)$")
 _BUILD_REQUESTS = ("/templates", "/v2/templates", "/v3/templates")
 _RESUMES = ("/connect", "/resume")
+# The bulk lifecycle routes (api/routes/bulk.py): every node acts on its own matches.
+_BULK = {("DELETE", "/sandboxes"), ("POST", "/sandboxes/pause"), ("POST", "/sandboxes/timeout")}
 TOTAL_RUNNING = "X-Total-Running"
 # A create a node turns down (full, draining) is tried on this many others.
 CREATE_TRIES = 3
@@ -105,6 +107,8 @@ class Gateway:
             return await self._create(request)
         if method == "GET" and path == "/sandboxes/metrics":
             return await self._merged_metrics(request)
+        if (method, path) in _BULK:  # before _SANDBOX, which reads `pause` as an id
+            return await self._bulk(request)
         if path.startswith("/events/"):
             answer = await self.events.handle(request)
             if answer is not None:
@@ -177,8 +181,18 @@ class Gateway:
 
     async def _sandbox(self, request: Request, sandbox_id: str, rest: str) -> Response:
         resume = request.method == "POST" and rest in _RESUMES
-        node = await self.directory.usable(sandbox_id, self._release, self._adopt, resume=resume)
-        if request.method == "POST" and rest == "/fork":
+        fork = request.method == "POST" and rest == "/fork"
+        try:
+            node = await self.directory.usable(
+                sandbox_id, self._release, self._adopt, resume=resume
+            )
+        except NotFound:
+            if not fork:
+                raise
+            # Not a sandbox: aenv's fork of a snapshot by id or name (docs/fork-tree.md),
+            # sent where that snapshot is, as a create from it would be.
+            node = await self._node_of_template(sandbox_id)
+        if fork:
             resp = await self.nodes.send(request, node)
             for item in _json_list(resp.content):
                 child = (item.get("sandbox") or {}).get("sandboxID")
@@ -337,6 +351,27 @@ class Gateway:
                 elif isinstance(value, list):
                     merged.setdefault(key, []).extend(value)
         return JSONResponse(merged)
+
+    async def _bulk(self, request: Request) -> Response:
+        """A bulk operation on every healthy node, the answers joined (`BulkJoin`): a 200
+        even when a node was not reached, since the others' acts are not undone."""
+        body = await request.body()
+        nodes = await self.directory.healthy()
+        answers = await asyncio.gather(
+            *(self.nodes.send(request, n, body=body) for n in nodes), return_exceptions=True
+        )
+        joined = BulkJoin()
+        for node, a in zip(nodes, answers, strict=True):
+            if isinstance(a, BaseException):
+                log.warning("bulk %s on node %s failed: %s", request.url.path, node.node_id, a)
+                joined.unreachable.append(node.node_id)
+            elif a.status_code >= 400:
+                return _plain(a)  # an empty query or a bad body: the same on every node
+            elif (ids := joined.add(_json(a.content))) and request.method == "DELETE":
+                for sandbox_id in ids:  # killed: unbound, as a kill of one is
+                    await self.state.unbind(sandbox_id)
+                    self.directory.forget(sandbox_id)
+        return JSONResponse(joined.doc())
 
     # ------------------------------------------------------------------ metrics
     async def _metrics(self, request: Request) -> Response:

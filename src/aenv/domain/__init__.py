@@ -25,6 +25,7 @@ from .basics import Upstream as Upstream
 from .basics import VolumeMount as VolumeMount
 from .basics import new_id as new_id
 from .basics import utcnow as utcnow
+from .sandbox import Lineage as Lineage
 from .sandbox import SandboxRecord as SandboxRecord
 from .sandbox import record_from_json as record_from_json
 from .sandbox import record_to_json as record_to_json

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
+from typing import Any
 
 from ..egress import EgressPolicy
 from .basics import (
@@ -16,6 +17,28 @@ from .basics import (
     SandboxState,
     VolumeMount,
 )
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """Where a sandbox came from (docs/fork-tree.md): ids only, so a killed ancestor leaves
+    nothing behind but its id in its descendants' records."""
+
+    # The template it booted from; from a snapshot, the template the snapshot's sandbox was
+    # created from; a fork child: its parent's.
+    template_id: str | None = None
+    # Created from this (user's) snapshot, taken of this sandbox.
+    snapshot_id: str | None = None
+    snapshot_of: str | None = None
+    # Forked from this sandbox, at this snapshot (the fork's own: deleted once the children
+    # run, so an id of the moment rather than something to create from).
+    parent_id: str | None = None
+    fork_point: str | None = None
+
+    @property
+    def origin(self) -> str | None:
+        """The sandbox it came from, by fork or by snapshot; None from a template."""
+        return self.parent_id or self.snapshot_of
 
 
 @dataclass
@@ -52,8 +75,7 @@ class SandboxRecord:
     layers: list[str] = field(default_factory=list)
     upper: str | None = None
     boot: BootInfo = field(default_factory=BootInfo)
-    # Where it came from when forked.
-    parent_id: str | None = None
+    lineage: Lineage = field(default_factory=Lineage)
     # Layers a squash replaced that the running container may still have mounted: their
     # references are dropped once the sandbox boots on the new stack.
     retired_layers: list[str] = field(default_factory=list)
@@ -93,6 +115,15 @@ class SandboxRecord:
     def shown_paused(self) -> bool:
         """Whether its user sees it paused (E2B's two states)."""
         return self.state is SandboxState.PAUSED and not self.in_standby_on_disk
+
+
+def _lineage_of(d: dict[str, Any]) -> Lineage:
+    """A record's lineage; one written before lineage had only the fork's `parent_id`."""
+    doc = d.get("lineage")
+    if isinstance(doc, dict):
+        known = {f.name for f in fields(Lineage)}
+        return Lineage(**{k: v for k, v in doc.items() if k in known})
+    return Lineage(template_id=d.get("template_id"), parent_id=d.get("parent_id"))
 
 
 def record_to_json(r: SandboxRecord) -> str:
@@ -150,5 +181,6 @@ def record_from_json(doc: str) -> SandboxRecord:
     elif "allow_internet_access" in d:  # before egress rules
         d["egress"] = EgressPolicy(allow_internet=bool(d["allow_internet_access"]))
     d["volume_mounts"] = [VolumeMount(**m) for m in d.get("volume_mounts") or []]
+    d["lineage"] = _lineage_of(d)
     known = {f.name for f in fields(SandboxRecord)}
     return SandboxRecord(**{k: v for k, v in d.items() if k in known})

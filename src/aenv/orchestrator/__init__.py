@@ -18,6 +18,7 @@ from .events import Events
 from .facade import Orchestrator
 from .fork import Forker, ForkResult
 from .idle import IdleTracker
+from .lineage import Ancestor, Descendant, LineageTree, lineage_tree
 from .liveness import Liveness
 from .logs import LEVELS, LogEntry, SandboxLogs
 from .metrics import MetricSample, SandboxMetrics
@@ -33,6 +34,10 @@ from .templates import TemplateRegistry
 from .volumes import Volumes
 
 __all__ = [
+    "Ancestor",
+    "Descendant",
+    "LineageTree",
+    "lineage_tree",
     "CLUSTER_ID",
     "EVENT_TYPES",
     "KILLED",

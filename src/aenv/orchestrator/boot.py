@@ -36,6 +36,7 @@ from ..volumes import VolumeStore
 from .context import NodeContext
 from .egress_trust import TRUST_ENV, install_ca
 from .envd_pool import EnvdPool
+from .lineage import lineage_from
 from .squashing import Squasher, replace_run, run_to_squash
 from .storage import SandboxStorage
 from .table import SandboxTable
@@ -140,6 +141,7 @@ class Booter:
             layers=list(template.layers if layers is None else layers),
             upper=str(self.storage.first_upper(sandbox_id)),
             boot=template.boot_info(),
+            lineage=lineage_from(template),
         )
 
     def spec(self, r: SandboxRecord) -> SandboxSpec:

@@ -14,11 +14,20 @@ import logging
 from dataclasses import dataclass, replace
 
 from .. import crashpoint
-from ..domain import CreateRequest, PauseTier, SandboxRecord, SandboxState, Timings
-from ..errors import AenvError, BadRequest, Conflict
+from ..domain import (
+    CreateRequest,
+    PauseTier,
+    SandboxRecord,
+    SandboxState,
+    TemplateKind,
+    TemplateRecord,
+    Timings,
+)
+from ..errors import AenvError, BadRequest, Conflict, NotFound
 from . import eventrecords as ev
 from .context import NodeContext, check_timeout
 from .events import Events
+from .lineage import fork_lineage
 from .logs import SandboxLogs
 from .nodeinfo import NodeStats
 from .sandboxes import Sandboxes
@@ -133,7 +142,9 @@ class Forker:
                 # The children restore from the snapshot while the parent does (under its
                 # lock); a parent that fails to come back is marked lost, its children stay.
                 kids = asyncio.ensure_future(
-                    asyncio.gather(*(self._child(parent, req) for _ in range(count)))
+                    asyncio.gather(
+                        *(self._child(parent, req, snap.template_id) for _ in range(count))
+                    )
                 )
                 if parent_back is not None:
                     try:
@@ -147,7 +158,24 @@ class Forker:
         await self.templates.delete(snap)
         return list(results)
 
-    async def _child(self, parent: SandboxRecord, req: CreateRequest) -> ForkResult:
+    async def from_snapshot(
+        self, snapshot: TemplateRecord, count: int, timeout: int | None, owner: str | None
+    ) -> list[ForkResult]:
+        """`POST /sandboxes/{snapshotID}/fork`: `count` sandboxes created at once from a
+        user's snapshot (by id or name), answered as a fork's children are; their lineage
+        is the snapshot's (`snapshotID`, `snapshotOf`), not a fork's."""
+        if snapshot.kind is not TemplateKind.SNAPSHOT or snapshot.internal:
+            raise NotFound(f"sandbox or snapshot {snapshot.template_id!r} not found")
+        if not 1 <= count <= MAX_CHILDREN:
+            raise BadRequest(f"count must be between 1 and {MAX_CHILDREN}")
+        check_timeout(timeout, self.ctx.settings)
+        self.ctx.check_taking()
+        # All or none, as a fork: refused up front when they would not fit the boot queue.
+        self.sandboxes.booter.check_queue(count)
+        req = CreateRequest(template_id=snapshot.template_id, timeout=timeout, owner=owner)
+        return list(await asyncio.gather(*(self._made(req) for _ in range(count))))
+
+    async def _made(self, req: CreateRequest) -> ForkResult:
         # Children queue for boot slots like any create (Booter.boot).
         try:
             c = await self.sandboxes.create(req, admitted=True)
@@ -155,8 +183,17 @@ class Forker:
             return ForkResult(error=e)
         except Exception as e:
             return ForkResult(error=AenvError(f"fork child failed: {e}"))
+        return ForkResult(sandbox=c)
+
+    async def _child(
+        self, parent: SandboxRecord, req: CreateRequest, fork_point: str
+    ) -> ForkResult:
+        made = await self._made(req)
+        c = made.sandbox
+        if c is None:
+            return made
         c.template_id = parent.template_id
         c.alias = parent.alias
-        c.parent_id = parent.sandbox_id
+        c.lineage = fork_lineage(parent, fork_point)
         await self.table.save(c)
         return ForkResult(sandbox=c)

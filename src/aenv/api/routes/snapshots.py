@@ -6,16 +6,17 @@ import asyncio
 from datetime import UTC, datetime
 from typing import Any, ClassVar, Literal
 
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import Field
 
 from aenv import ENVD_VERSION
 from aenv.builds.store import BuildRecord
 from aenv.builds.tags import build_id_of, main_name, owner_of
-from aenv.domain import TemplateRecord, Timings
+from aenv.domain import TemplateKind, TemplateRecord, Timings
 from aenv.errors import NotFound
+from aenv.orchestrator import Orchestrator
 
-from ..auth import require_api_key
+from ..auth import key_name, require_api_key
 from ..deps import OrchestratorDep, SettingsDep
 from ..listing import Cursor, paginate
 from ..models import LIFECYCLE_ERRORS, ErrorBody, Sandbox, _Request, _Response
@@ -162,11 +163,20 @@ def _snapshot_key(t: TemplateRecord) -> tuple[datetime, str]:
     return (_when(t.created_at), t.template_id)
 
 
+async def _snapshot_or_none(orchestrator: Orchestrator, id_or_name: str) -> TemplateRecord | None:
+    try:
+        found = await orchestrator.templates.get(id_or_name)
+    except NotFound:
+        return None
+    return found if found.kind is TemplateKind.SNAPSHOT and not found.internal else None
+
+
 @router.post(
     "/sandboxes/{sandbox_id}/fork", status_code=201, summary="Fork a running or paused sandbox"
 )
 async def fork_sandbox(
     sandbox_id: str,
+    request: Request,
     response: Response,
     orchestrator: OrchestratorDep,
     settings: SettingsDep,
@@ -174,7 +184,18 @@ async def fork_sandbox(
 ) -> list[ForkResultBody]:
     body = body or ForkRequest()
     timings = Timings()
-    results = await orchestrator.forker.fork(sandbox_id, body.count, body.timeout, timings=timings)
+    if orchestrator.table.find(sandbox_id) is None and (
+        snapshot := await _snapshot_or_none(orchestrator, sandbox_id)
+    ):
+        # aenv's: a snapshot's id or name in place of a sandbox's makes `count` sandboxes
+        # from it in one call (docs/fork-tree.md), answered as a fork's children.
+        results = await orchestrator.forker.from_snapshot(
+            snapshot, body.count, body.timeout, key_name(request)
+        )
+    else:
+        results = await orchestrator.forker.fork(
+            sandbox_id, body.count, body.timeout, timings=timings
+        )
     add_timing(response, timings)
     out = []
     for r in results:
