@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.aenv-installed
 export AENV_HOME ?= /var/lib/aenv
 
-.PHONY: install system venv console base code-interpreter run test test-unit test-integration lint contracts bench soak floors version dist image lock compose-test proto clean
+.PHONY: install system venv console base code-interpreter run test test-unit test-integration lint contracts bench soak floors version dist image lock compose-test e2b-suites proto clean
 
 install: system venv console base
 
@@ -122,6 +122,13 @@ lock: venv
 compose-test: install
 	@scripts/install-docker.sh
 	AENV_COMPOSE_TEST=1 $(BIN)/python -m pytest -q -rs -s --timeout=3600 tests/deploy
+
+# E2B's own SDK test suites (an E2B checkout: E2B=/path/to/E2B), run as E2B's CI runs them:
+# a node on 127.0.0.1:443 with a test CA for api.e2b.localhost and *.e2b.localhost, the
+# clients given only E2B_DOMAIN and E2B_API_KEY. SUITES: py-sync py-async py-shared js.
+e2b-suites: install
+	@test -n "$(E2B)" || { echo "usage: make e2b-suites E2B=/path/to/E2B [SUITES='py-sync js']"; exit 2; }
+	scripts/e2b-suites.sh $(E2B) $(SUITES)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info src/*.egg-info
