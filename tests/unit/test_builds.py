@@ -266,6 +266,13 @@ def test_stack_read_file_whiteouts_and_symlinks(tmp_path: Path) -> None:
     assert name == "root" and warning and "4242" in warning
     assert stack.default_user(entries) == "user"
     assert stack.default_user(entries[:1]) == "root"
+    # A command's own user must exist (E2B's envd refuses it); a USER falls back to root.
+    assert stack.run_user_error(entries, "whoami", "user") is None
+    assert stack.run_user_error(entries, "whoami", "0") is None
+    assert stack.run_user_error(entries, "whoami", "root123") == (
+        "failed to run command 'whoami': command failed: unauthenticated: "
+        "invalid username: 'root123'"
+    )
 
 
 # --------------------------------------------------------------------------------------------

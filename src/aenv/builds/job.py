@@ -276,11 +276,10 @@ class BuildJob:
         """Runs a RUN or COPY step on `layers`: the stack with its new layer on top."""
         what = f"step {n} {step.describe()}" if n is not None else f"finalize {step.describe()}"
         entries = await asyncio.to_thread(self.images.passwd, layers)
-        want = (
-            step.args[1]
-            if step.type == "RUN" and len(step.args) > 1 and step.args[1]
-            else state.user
-        )
+        own = step.args[1] if step.type == "RUN" and len(step.args) > 1 else None
+        if own and (error := stack.run_user_error(entries, step.args[0], own)):
+            raise BuildFailed(f"{what} failed: {error}", str(n))
+        want = own or state.user
         user, warning = stack.resolve_user(entries, want)
         if warning:
             self.ab.log("warn", f"{what}: {warning}")

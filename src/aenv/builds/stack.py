@@ -139,6 +139,20 @@ def resolve_user(entries: list[PasswdEntry], spec: str | None) -> tuple[str | No
     return "root", f"user {who!r} does not exist in the image; using root"
 
 
+def run_user_error(entries: list[PasswdEntry], cmd: str, spec: str) -> str | None:
+    """Why a RUN step's own user (`run_cmd(..., user=)`) cannot run `cmd`, None when it can.
+
+    Unlike a USER instruction (root with a warning), a command's explicit user that the
+    image does not know fails the build, in the words of E2B's envd."""
+    _name, warning = resolve_user(entries, spec)
+    if warning is None:
+        return None
+    return (
+        f"failed to run command '{cmd}': command failed: unauthenticated: "
+        f"invalid username: '{spec.strip()}'"
+    )
+
+
 def default_user(entries: list[PasswdEntry]) -> str:
     """What envd picks without a configured user: `user` when it exists, else root."""
     return "user" if any(e.name == "user" for e in entries) else "root"
