@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from aenv.domain import Upstream
 from aenv.proxy import ConnectionPool, HttpForwarder, SandboxRouter
+from aenv.proxy._common import canonical_name
 from aenv.telemetry import HttpMetrics, HttpMetricsMiddleware
 from tests.unit.proxy_env import ENVD, Env, MiB, _no_control_app, _pattern, proxy_servers, serve
 
@@ -275,6 +276,41 @@ async def test_upstream_garbage_is_502() -> None:
     async with raw_upstream_router(garbage) as url, httpx.AsyncClient(trust_env=False) as c:
         r = await c.get(url, headers={"e2b-sandbox-id": "s"})
     assert r.status_code == 502 and r.json()["code"] == 502
+
+
+async def test_header_names_reach_the_sandbox_in_canonical_case() -> None:
+    """As E2B's (Go) proxy writes them: an app printing its request headers sees `Host`."""
+    heads: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            heads.append(await reader.readuntil(b"\r\n\r\n"))
+            writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+
+    async def resolver(sandbox_id: str, p: int, token: str | None) -> Upstream:
+        return Upstream("127.0.0.1", port)
+
+    router = SandboxRouter(_no_control_app, resolver, [])
+    try:
+        async with serve(router) as proxy_port, httpx.AsyncClient(trust_env=False) as c:
+            r = await c.get(
+                f"http://127.0.0.1:{proxy_port}/",
+                headers={"e2b-sandbox-id": "s", "x-test-TOKEN": "v", "content-type": "a/b"},
+            )
+        assert r.status_code == 204
+    finally:
+        await router.aclose()
+        server.close()
+    lines = heads[0].decode().split("\r\n")[1:]
+    names = {line.partition(":")[0] for line in lines if line}
+    assert {"Host", "X-Test-Token", "Content-Type", "Accept"} <= names, names
+    assert canonical_name(b"www-authenticate") == b"Www-Authenticate"
+    assert canonical_name(b"bad name") == b"bad name"
 
 
 async def test_an_upstream_reset_mid_body_resets_the_client() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import socket
 import struct
@@ -103,6 +104,20 @@ def end_to_end(headers: Iterable[tuple[bytes, bytes]], also_drop: frozenset[byte
         for name, value in headers
         if name not in HOP_BY_HOP and name not in also_drop and name not in extra
     ]
+
+
+_TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+@functools.lru_cache(maxsize=1024)
+def canonical_name(name: bytes) -> bytes:
+    """A header name as E2B's (Go) proxy writes it to the sandbox: `Host`, `Content-Type`,
+    `X-Test-Token` (Go's CanonicalMIMEHeaderKey); a name with a byte outside the token set
+    is left as it is. ASGI gives lowercase names, and an app that prints what it received
+    (`self.headers.items()`) should see what it would see behind E2B."""
+    if not name or any(b not in _TOKEN for b in name):
+        return name
+    return b"-".join(part[:1].upper() + part[1:].lower() for part in name.split(b"-"))
 
 
 def json_body(payload: dict[str, object]) -> bytes:

@@ -21,7 +21,8 @@ about 1.2 ms (p50; p99 over 10 ms) and served a small fraction of the throughput
   sandbox and report it killed), and a gateway in front of a node passes the node's on.
 - Hop-by-hop headers (and those named by `Connection`) are dropped both ways; `Expect` is
   answered by the ASGI server, so it is not forwarded; 1xx interim responses are not relayed.
-  Everything else passes unchanged, `Host` included (see dispatch.py).
+  Everything else passes unchanged, `Host` included (see dispatch.py), the names written in
+  their canonical case (`Content-Type`) as E2B's proxy writes them.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from ._common import (
     Scope,
     Send,
     Target,
+    canonical_name,
     connect_exposing,
     end_to_end,
     reset_client,
@@ -330,9 +332,9 @@ class _Exchange:
         for name, value in end_to_end(target.headers, _REQUEST_DROP):
             if name == b"host":
                 has_host = True
-            parts += (name, b": ", value, b"\r\n")
+            parts += (canonical_name(name), b": ", value, b"\r\n")
         if not has_host:
-            parts += (b"host: ", target.authority.encode(), b"\r\n")
+            parts += (b"Host: ", target.authority.encode(), b"\r\n")
         parts += (framing, b"\r\n")
         return b"".join(parts)
 

@@ -37,6 +37,7 @@ from ._common import (
     Scope,
     Send,
     Target,
+    canonical_name,
     connect_exposing,
     deny_websocket,
     deny_websocket_json,
@@ -175,7 +176,7 @@ class WebSocketForwarder:
             if name == b"host":
                 host_header = value.decode("latin-1")
         headers = [
-            (name.decode("latin-1"), value.decode("latin-1"))
+            (canonical_name(name).decode("latin-1"), value.decode("latin-1"))
             for name, value in end_to_end(target.headers, _REQUEST_DROP)
         ]
         subprotocols = [Subprotocol(p) for p in scope.get("subprotocols") or []]
