@@ -139,3 +139,31 @@ async def test_off_the_node_builds_nothing(tmp_path: Path, monkeypatch: pytest.M
         assert calls == [] and builder.autobuild.state.status == "idle"
         await builder.autobuild.before_create(autobuild.TEMPLATE)  # no wait, no error
         await builder.close()
+
+
+def test_the_build_aims_at_this_node_whatever_context_is_saved(tmp_path: Path) -> None:
+    """`--url` of the node's own listener (a saved `aenv auth` context would win over the
+    listen address), over loopback, its own certificate unchecked there."""
+    from aenv.config import Settings
+
+    plain = CodeInterpreterAutobuild(Settings(home=tmp_path, listen="0.0.0.0:8123"))
+    argv, env = plain.command()
+    assert argv[1:] == [
+        "--url",
+        "http://127.0.0.1:8123",
+        "template",
+        "build-code-interpreter",
+        "--quiet",
+    ]
+    assert "AENV_TLS_VERIFY" not in env and env["AENV_HOME"] == str(tmp_path)
+    (tmp_path / "c.pem").write_text("x")
+    tls = CodeInterpreterAutobuild(
+        Settings(
+            home=tmp_path,
+            listen="127.0.0.1:443",
+            tls_cert=tmp_path / "c.pem",
+            tls_key=tmp_path / "c.pem",
+        )
+    )
+    argv, env = tls.command()
+    assert argv[1:3] == ["--url", "https://127.0.0.1:443"] and env["AENV_TLS_VERIFY"] == "false"

@@ -137,12 +137,27 @@ class CodeInterpreterAutobuild:
                     raise
                 await asyncio.sleep(0.5)
 
-    async def _build(self) -> tuple[int, str]:
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        """The build's command line and environment: aimed at this node's own listener with
+        `--url` (a context saved by `aenv auth` on the host would otherwise win over the
+        listen address), over loopback; its own certificate need not name 127.0.0.1."""
         env = {k: v for k, v in os.environ.items() if k not in _ELSEWHERE}
         env["AENV_HOME"] = str(self.settings.home)
+        host = self.settings.host.strip("[]")
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"  # listening everywhere: here too
+        if ":" in host:
+            host = f"[{host}]"
+        if self.settings.tls_cert:
+            env["AENV_TLS_VERIFY"] = "false"
+        url = f"{self.settings.scheme}://{host}:{self.settings.port}"
         # The `aenv` command beside this interpreter (the venv's, or the image's).
-        argv = [os.path.join(os.path.dirname(sys.executable), "aenv")]
+        argv = [os.path.join(os.path.dirname(sys.executable), "aenv"), "--url", url]
         argv += ["template", "build-code-interpreter", "--quiet"]
+        return argv, env
+
+    async def _build(self) -> tuple[int, str]:
+        argv, env = self.command()
         log.info("building template %s in the background (%s)", TEMPLATE, " ".join(argv[1:]))
         self._proc = await asyncio.create_subprocess_exec(
             *argv,
