@@ -154,8 +154,8 @@ async def purge(env: dict[str, str]) -> None:
 async def sweep(home: Path, prefix: str, cidr: str) -> None:
     """Removes by name what a purge may have missed: runsc containers under the home's state
     root, slots (netns, veths) and iptables chains of `prefix`."""
+    from aenv.runtime.gvisor.runsc import Runsc
     from aenv.runtime.net.network import Network, SlotAddressing
-    from aenv.runtime.runsc import Runsc
 
     root = home / "runsc"
     if root.is_dir():
