@@ -456,10 +456,12 @@ class EnvdClient:
             raise EnvdError("internal", "envd /logs answered something other than an object")
         return body
 
-    async def kill_largest(self) -> dict[str, Any] | None:
-        """Has envd kill the sandbox's largest process (`envd/oomkill.py`); what it was, or
-        None when there was none to kill."""
-        body = await self._json("POST", "oom", timeout=5.0)
+    async def kill_largest(self, force: bool = False) -> dict[str, Any] | None:
+        """Has envd kill the sandbox's largest process (`envd/oomkill.py`) — only while the
+        sandbox counts itself short of memory, unless `force`; what it was, or None when
+        none was killed."""
+        params = {"force": "1"} if force else None
+        body = await self._json("POST", "oom", params=params, timeout=8.0)
         killed = body.get("killed") if isinstance(body, dict) else None
         return killed if isinstance(killed, dict) else None
 

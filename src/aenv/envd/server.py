@@ -182,7 +182,8 @@ class App:
             self.http_auth(req)
             from .oomkill import kill_largest
 
-            await resp.send_json(200, kill_largest())
+            force = req.query.get("force") == "1"
+            await resp.send_json(200, await kill_largest(force=force))
             return
         if path == "/forward":
             if m != "POST":
