@@ -55,6 +55,17 @@ class Conflict(AenvError):
     status = 409
 
 
+class PathConflict(Conflict):
+    """Both sides changed the same paths (`POST /sandboxes/{id}/apply`): they are listed."""
+
+    def __init__(self, message: str, paths: list[str]) -> None:
+        super().__init__(message, error_code="conflict")
+        self.paths = paths
+
+    def to_json(self) -> dict[str, object]:
+        return {**super().to_json(), "paths": self.paths}
+
+
 class TooManyRequests(AenvError):
     status = 429
 

@@ -28,6 +28,7 @@ from .routes import (
     builds,
     bulk,
     cluster,
+    diffs,
     docs,
     events,
     health,
@@ -84,6 +85,7 @@ def create_control_app(
     app.include_router(bulk.router)
     app.include_router(sandboxes.router)
     app.include_router(lineage.router)
+    app.include_router(diffs.router)
     builds.attach(app, builder)  # template builds; before snapshots (its /templates/{id:path})
     app.include_router(tags.router)  # likewise
     app.include_router(images.router)

@@ -13,19 +13,9 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-_OPAQUE = "trusted.overlay.opaque"
+from ..images.overlay import lookup as _lookup
+
 _MAX_READ = 4 << 20
-
-
-def _is_whiteout(st: os.stat_result) -> bool:
-    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
-
-
-def _opaque(path: Path) -> bool:
-    try:
-        return os.getxattr(path, _OPAQUE, follow_symlinks=False) == b"y"
-    except OSError:
-        return False
 
 
 def read_file(layers: list[Path], rel: str) -> bytes | None:
@@ -56,40 +46,6 @@ def read_file(layers: list[Path], rel: str) -> bytes | None:
 def exists(layers: list[Path], rel: str) -> bool:
     """Whether `rel` exists in the merged stack (a symlink counts, wherever it points)."""
     return _lookup(layers, rel.strip("/")) is not None if rel.strip("/") else True
-
-
-def _lookup(layers: list[Path], rel: str) -> tuple[Path, os.stat_result] | None:
-    parts = [p for p in rel.split("/") if p]
-    for layer in layers:
-        hidden_below = False
-        blocked = False
-        cur = layer
-        for part in parts[:-1]:
-            cur = cur / part
-            try:
-                st = os.lstat(cur)
-            except FileNotFoundError:
-                break
-            except OSError:
-                blocked = True
-                break
-            if not stat.S_ISDIR(st.st_mode):
-                blocked = True  # whiteout or a file where a directory is wanted
-                break
-            if _opaque(cur):
-                hidden_below = True
-        if blocked:
-            return None
-        target = layer.joinpath(*parts)
-        try:
-            found = os.lstat(target)
-        except OSError:
-            found = None
-        if found is not None:
-            return None if _is_whiteout(found) else (target, found)
-        if hidden_below:
-            return None
-    return None
 
 
 @dataclass(frozen=True)

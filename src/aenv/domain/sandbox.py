@@ -91,6 +91,9 @@ class SandboxRecord:
     owner: str | None = None
     # Its own standby setting (None: the node's AENV_STANDBY_AFTER).
     standby_after: float | None = None
+    # The layer stack (topmost first) of its last fork point — a fork child's, or the parent's
+    # own last fork — which `diff`/`apply` compare against by default (docs/fork-tree.md).
+    fork_layers: list[str] = field(default_factory=list)
     # The create's timeout in seconds, which an auto-resume gives it again (as E2B does);
     # None in records written before it was kept.
     timeout: int | None = None

@@ -3,6 +3,7 @@ types and the records their methods take and return are exported here with it: t
 above import this package, never its modules (`tests/unit/test_import_layers.py`)."""
 
 from .context import NodeContext, check_timeout
+from .diffs import FORK_POINT, Applied, TreeDiffs
 from .eventrecords import (
     EVENT_TYPES,
     KILLED,
@@ -34,6 +35,9 @@ from .templates import TemplateRegistry
 from .volumes import Volumes
 
 __all__ = [
+    "FORK_POINT",
+    "Applied",
+    "TreeDiffs",
     "Ancestor",
     "Descendant",
     "LineageTree",

@@ -50,6 +50,7 @@ from .boot import Booter
 from .bootsnaps import BootSnapshots
 from .catalog import Catalog
 from .context import Clock, NodeContext
+from .diffs import TreeDiffs
 from .durable import Durable
 from .envd_pool import EnvdPool
 from .events import Events
@@ -102,6 +103,7 @@ class Orchestrator:
     metrics: Final[SandboxMetrics]
     sampler: Final[Sampler]
     mover: Final[Mover]
+    diffs: Final[TreeDiffs]
 
     def __init__(
         self,
@@ -162,6 +164,7 @@ class Orchestrator:
         self.sampler = Sampler(table, metrics, idle, logs)
         OomGuard(ctx, table, runtime, envd, logs, stats, events)
         self.mover = Mover(ctx, table, booter, pauser, templates, storage, events)
+        self.diffs = TreeDiffs(ctx, table, templates, storage, envd)
 
     async def start(self, *, timers: bool = True) -> None:
         """Recovers what a previous run left and starts the timers and the sampler

@@ -142,9 +142,7 @@ class Forker:
                 # The children restore from the snapshot while the parent does (under its
                 # lock); a parent that fails to come back is marked lost, its children stay.
                 kids = asyncio.ensure_future(
-                    asyncio.gather(
-                        *(self._child(parent, req, snap.template_id) for _ in range(count))
-                    )
+                    asyncio.gather(*(self._child(parent, req, snap) for _ in range(count)))
                 )
                 if parent_back is not None:
                     try:
@@ -152,6 +150,12 @@ class Forker:
                     except Exception:
                         log.exception("fork of %s: the parent did not come back", sandbox_id)
                 crashpoint.hit("fork.parent_back")
+                # What `diff`/`apply` compare the parent with by default (its layers are
+                # held while the children run on them).
+                back = self.table.find(sandbox_id)
+                if back is not None:
+                    back.fork_layers = list(snap.layers)
+                    await self.table.save(back)
         with t.stage("children"):
             results = await kids
         # Children no longer need the image; their layers stay (they run on them).
@@ -186,7 +190,7 @@ class Forker:
         return ForkResult(sandbox=c)
 
     async def _child(
-        self, parent: SandboxRecord, req: CreateRequest, fork_point: str
+        self, parent: SandboxRecord, req: CreateRequest, fork_point: TemplateRecord
     ) -> ForkResult:
         made = await self._made(req)
         c = made.sandbox
@@ -194,6 +198,7 @@ class Forker:
             return made
         c.template_id = parent.template_id
         c.alias = parent.alias
-        c.lineage = fork_lineage(parent, fork_point)
+        c.lineage = fork_lineage(parent, fork_point.template_id)
+        c.fork_layers = list(fork_point.layers)
         await self.table.save(c)
         return ForkResult(sandbox=c)

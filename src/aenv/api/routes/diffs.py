@@ -1,0 +1,114 @@
+"""`GET /sandboxes/{id}/diff` and `POST /sandboxes/{id}/apply` (aenv's, docs/fork-tree.md):
+what a sandbox changed since a base — its fork point by default, a snapshot, another sandbox
+— as a list, a unified diff or a tar, and another sandbox's changes taken into it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import IO, Annotated, Literal
+
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import StreamingResponse
+from pydantic import Field
+
+from aenv.images.treediff import DEFAULT_EXCLUDE, Change, tar_file, unified
+
+from ..auth import require_api_key
+from ..deps import OrchestratorDep
+from ..models import LIFECYCLE_ERRORS, _Request, _Response
+
+router = APIRouter(
+    tags=["sandboxes"], dependencies=[Depends(require_api_key)], responses=LIFECYCLE_ERRORS
+)
+
+_CHUNK = 1 << 16
+
+
+class ChangeInfo(_Response):
+    path: str
+    change: Literal["added", "changed", "deleted"]
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+
+    @classmethod
+    def of(cls, c: Change) -> ChangeInfo:
+        return cls(path=c.path, change=c.change, type=c.type, size=c.size, mode=c.mode)
+
+
+class ApplyRequest(_Request):
+    source: str = Field(alias="from", min_length=1)
+    base: str | None = None
+    paths: list[str] = Field(default_factory=list, max_length=10_000)
+    exclude: list[str] = Field(default_factory=list, max_length=1_000)
+    default_excludes: bool = Field(default=True, alias="defaultExcludes")
+    strategy: Literal["ours", "theirs"] | None = None
+
+
+class ApplyResult(_Response):
+    applied: list[ChangeInfo]
+    conflicts: list[str]
+
+
+def _excludes(exclude: list[str], defaults: bool) -> list[str]:
+    return [*(DEFAULT_EXCLUDE if defaults else ()), *exclude]
+
+
+@router.get(
+    "/sandboxes/{sandbox_id}/diff",
+    summary="What a sandbox changed since a base",
+    response_model=list[ChangeInfo],
+)
+async def get_diff(
+    sandbox_id: str,
+    orchestrator: OrchestratorDep,
+    base: Annotated[
+        str | None, Query(description="fork-point (default), a snapshot or sandbox id")
+    ] = None,
+    exclude: Annotated[list[str], Query()] = [],  # noqa: B006 (FastAPI copies it)
+    default_excludes: Annotated[bool, Query(alias="defaultExcludes")] = True,
+    format: Annotated[Literal["json", "patch", "tar"], Query()] = "json",
+) -> object:
+    changes = await orchestrator.diffs.diff(sandbox_id, base, _excludes(exclude, default_excludes))
+    if format == "patch":
+        return StreamingResponse(_patch(changes), media_type="text/x-diff; charset=utf-8")
+    if format == "tar":
+        tar = await asyncio.to_thread(tar_file, changes)
+        return StreamingResponse(
+            _stream(tar),
+            media_type="application/x-tar",
+            headers={"Content-Disposition": f'attachment; filename="{sandbox_id}.tar"'},
+        )
+    return [ChangeInfo.of(c) for c in changes]
+
+
+@router.post(
+    "/sandboxes/{sandbox_id}/apply", summary="Take another sandbox's changes into this one"
+)
+async def post_apply(
+    sandbox_id: str, body: ApplyRequest, orchestrator: OrchestratorDep
+) -> ApplyResult:
+    done = await orchestrator.diffs.apply(
+        sandbox_id,
+        body.source,
+        body.base,
+        body.paths,
+        _excludes(body.exclude, body.default_excludes),
+        body.strategy,
+    )
+    return ApplyResult(applied=[ChangeInfo.of(c) for c in done.changes], conflicts=done.conflicts)
+
+
+def _patch(changes: list[Change]) -> Iterator[bytes]:
+    # A sync iterator: Starlette runs it in a thread pool, off the event loop.
+    for text in unified(changes):
+        yield text.encode()
+
+
+async def _stream(f: IO[bytes]) -> AsyncIterator[bytes]:
+    try:
+        while chunk := await asyncio.to_thread(f.read, _CHUNK):
+            yield chunk
+    finally:
+        f.close()

@@ -1,0 +1,112 @@
+"""The fork tree's diff and apply (docs/fork-tree.md), as a best-of-N harness uses them: fork
+children of an agent-like sandbox, each edits its own files; what each changed since the fork
+point is listed exactly and served as a patch and a tar; the winner's changes go back into
+the parent; a conflicting apply is refused with the paths. Stock SDK + raw HTTP, real gVisor."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import pytest
+from e2b import Sandbox
+
+from .conftest import Server
+
+pytestmark = pytest.mark.integration
+
+W = "/home/user/work"
+
+
+def changes(server: Server, sid: str, **params: str) -> set[tuple[str, str]]:
+    with server.client() as c:
+        r = c.get(f"/sandboxes/{sid}/diff", params=params)
+    assert r.status_code == 200, r.text
+    return {(x["path"], x["change"]) for x in r.json()}
+
+
+def test_diff_and_apply_across_a_fork(e2b_env: Server, sandboxes: list[object]) -> None:
+    server = e2b_env
+    p = Sandbox.create(template="base", timeout=300)
+    sandboxes.append(p)
+    p.commands.run(
+        f"mkdir -p {W} && printf 'x = 1\\n' > {W}/main.py && echo keep > {W}/notes.txt "
+        f"&& echo old > {W}/old.txt"
+    )
+    kids = [k for k in p.fork(count=2) if isinstance(k, Sandbox)]
+    sandboxes.extend(kids)
+    assert len(kids) == 2
+    win, other = kids
+    # The winner edits, adds and deletes (and leaves a cache behind); the other edits notes.
+    win.commands.run(
+        f"printf 'x = 2\\n' > {W}/main.py && echo new > {W}/new.txt && rm {W}/old.txt "
+        f"&& mkdir -p {W}/__pycache__ && echo c > {W}/__pycache__/main.pyc"
+    )
+    other.commands.run(f"echo other > {W}/notes.txt")
+
+    assert changes(server, win.sandbox_id) == {
+        (f"{W}/main.py", "changed"),
+        (f"{W}/new.txt", "added"),
+        (f"{W}/old.txt", "deleted"),
+    }
+    assert changes(server, other.sandbox_id) == {(f"{W}/notes.txt", "changed")}
+    # The cache is there when asked for.
+    assert (f"{W}/__pycache__/main.pyc", "added") in changes(
+        server, win.sandbox_id, defaultExcludes="false"
+    )
+    # Between siblings: what the winner has that the other does not.
+    assert changes(server, win.sandbox_id, base=other.sandbox_id) == {
+        (f"{W}/main.py", "changed"),
+        (f"{W}/new.txt", "added"),
+        (f"{W}/old.txt", "deleted"),
+        (f"{W}/notes.txt", "changed"),
+    }
+
+    with server.client() as c:
+        patch = c.get(f"/sandboxes/{win.sandbox_id}/diff", params={"format": "patch"})
+        assert patch.status_code == 200 and patch.headers["content-type"].startswith("text/x-diff")
+        assert f"--- a{W}/main.py\n+++ b{W}/main.py\n" in patch.text
+        assert "-x = 1\n+x = 2\n" in patch.text
+        assert f"deleted file mode 100644\n--- a{W}/old.txt\n+++ /dev/null\n" in patch.text
+        tar = c.get(f"/sandboxes/{win.sandbox_id}/diff", params={"format": "tar"})
+        assert tar.status_code == 200
+        with tarfile.open(fileobj=io.BytesIO(tar.content)) as t:
+            assert sorted(t.getnames()) == [f"{W}/main.py"[1:], f"{W}/new.txt"[1:]]
+            f = t.extractfile(f"{W}/new.txt"[1:])
+            assert f is not None and f.read() == b"new\n"
+
+        # The parent changed main.py too: taking the winner's changes is refused, with the path.
+        p.commands.run(f"printf 'x = 3\\n' > {W}/main.py")
+        r = c.post(f"/sandboxes/{p.sandbox_id}/apply", json={"from": win.sandbox_id})
+        assert r.status_code == 409, r.text
+        assert r.json()["paths"] == [f"{W}/main.py"]
+        assert p.files.read(f"{W}/main.py") == "x = 3\n"  # nothing was written
+        # Part of it, where there is no conflict.
+        r = c.post(
+            f"/sandboxes/{p.sandbox_id}/apply",
+            json={"from": win.sandbox_id, "paths": [f"{W}/new.txt"]},
+        )
+        assert r.status_code == 200, r.text
+        assert [x["path"] for x in r.json()["applied"]] == [f"{W}/new.txt"]
+        assert p.files.read(f"{W}/new.txt") == "new\n"
+        assert p.files.exists(f"{W}/old.txt")
+        # All of it, the winner's side taken: the parent keeps running.
+        r = c.post(
+            f"/sandboxes/{p.sandbox_id}/apply",
+            json={"from": win.sandbox_id, "strategy": "theirs"},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["conflicts"] == [f"{W}/main.py"]
+    assert p.files.read(f"{W}/main.py") == "x = 2\n"
+    assert not p.files.exists(f"{W}/old.txt")
+    assert p.files.read(f"{W}/notes.txt") == "keep\n"
+    # The files keep their owner: the sandbox's user can still write them.
+    p.commands.run(f"echo more >> {W}/main.py")
+    # Bad input: a base that is nothing, a sandbox without a fork point.
+    with server.client() as c:
+        r = c.get(f"/sandboxes/{win.sandbox_id}/diff", params={"base": "nope"})
+        assert r.status_code == 404 and "nope" in r.json()["message"]
+        fresh = Sandbox.create(template="base", timeout=60)
+        sandboxes.append(fresh)
+        r = c.get(f"/sandboxes/{fresh.sandbox_id}/diff")
+        assert r.status_code == 400 and "fork point" in r.json()["message"]

@@ -1,0 +1,105 @@
+"""What changed between two layer stacks: the paths a sandbox added, changed and deleted over
+its base, as a list, a unified diff that `git apply` takes, and a tar of the new files."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+from aenv.images.overlay import OPAQUE
+from aenv.images.treediff import DEFAULT_EXCLUDE, diff_stacks, unified, write_tar
+
+
+def put(layer: Path, rel: str, text: str = "", mode: int = 0o644) -> None:
+    p = layer / rel
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+    p.chmod(mode)
+
+
+def whiteout(layer: Path, rel: str) -> None:
+    p = layer / rel
+    p.parent.mkdir(parents=True, exist_ok=True)
+    os.mknod(p, 0o600 | 0o020000, os.makedev(0, 0))
+
+
+def stacks(tmp: Path) -> tuple[list[Path], list[Path]]:
+    """A fork point (two layers) and a child on it (its upper on top)."""
+    base, point, upper = tmp / "base", tmp / "point", tmp / "upper"
+    put(base, "etc/os-release", "debian\n")
+    put(base, "usr/lib/big/a.py", "a\n")
+    put(base, "usr/lib/big/b.py", "b\n")
+    put(point, "work/main.py", "print('hi')\nx = 1\n")
+    put(point, "work/notes.txt", "keep\n")
+    put(point, "work/old.txt", "old\n")
+    upper.mkdir()
+    put(upper, "work/main.py", "print('hi')\nx = 2\n")
+    put(upper, "work/new.txt", "new\n")
+    whiteout(upper, "work/old.txt")
+    whiteout(upper, "usr/lib/big")
+    put(upper, "work/__pycache__/main.cpython-311.pyc", "\0bytecode")
+    put(upper, "etc/machine-id", "0123\n")
+    put(upper, "work/notes.txt", "keep\n", mode=0o600)  # only its mode
+    return [upper, point, base], [point, base]
+
+
+def test_the_changes_of_a_child_over_its_fork_point(tmp_path: Path) -> None:
+    child, point = stacks(tmp_path)
+    got = {(c.path, c.change, c.type) for c in diff_stacks(child, point, DEFAULT_EXCLUDE)}
+    assert got == {
+        ("/work/main.py", "changed", "file"),
+        ("/work/new.txt", "added", "file"),
+        ("/work/old.txt", "deleted", "file"),
+        ("/work/notes.txt", "changed", "file"),
+        ("/usr/lib/big", "deleted", "dir"),
+        ("/usr/lib/big/a.py", "deleted", "file"),
+        ("/usr/lib/big/b.py", "deleted", "file"),
+    }
+    # Nothing excluded: the cache and aenv's own identity file show up too.
+    everything = {c.path for c in diff_stacks(child, point)}
+    assert {"/work/__pycache__", "/etc/machine-id"} <= everything
+    # And the other way round: what the child added is what the point lacks.
+    back = {(c.path, c.change) for c in diff_stacks(point, child, DEFAULT_EXCLUDE)}
+    assert ("/work/new.txt", "deleted") in back and ("/work/old.txt", "added") in back
+
+
+def test_an_opaque_directory_deletes_what_was_below(tmp_path: Path) -> None:
+    base, upper = tmp_path / "base", tmp_path / "upper"
+    put(base, "d/gone.txt", "x\n")
+    put(upper, "d/fresh.txt", "y\n")
+    os.setxattr(upper / "d", OPAQUE, b"y")
+    got = {(c.path, c.change) for c in diff_stacks([upper, base], [base])}
+    assert got == {("/d/gone.txt", "deleted"), ("/d/fresh.txt", "added")}
+
+
+def test_the_patch_applies_with_git(tmp_path: Path) -> None:
+    child, point = stacks(tmp_path)
+    patch = "".join(unified(diff_stacks(child, point, DEFAULT_EXCLUDE)))
+    assert "-x = 1\n+x = 2\n" in patch
+    repo = tmp_path / "repo"
+    for rel in ("work/main.py", "work/notes.txt", "work/old.txt"):
+        put(repo, rel, (tmp_path / "point" / rel).read_text())
+    for rel in ("usr/lib/big/a.py", "usr/lib/big/b.py"):
+        put(repo, rel, (tmp_path / "base" / rel).read_text())
+    (repo / "p.diff").write_text(patch)
+    subprocess.run(["git", "apply", "p.diff"], cwd=repo, check=True)
+    assert (repo / "work/main.py").read_text() == "print('hi')\nx = 2\n"
+    assert (repo / "work/new.txt").read_text() == "new\n"
+    assert not (repo / "work/old.txt").exists()
+    assert not (repo / "usr/lib/big/a.py").exists()
+
+
+def test_the_tar_holds_the_new_files(tmp_path: Path) -> None:
+    child, point = stacks(tmp_path)
+    buf = io.BytesIO()
+    n = write_tar(diff_stacks(child, point, DEFAULT_EXCLUDE), buf)
+    buf.seek(0)
+    with tarfile.open(fileobj=buf) as tar:
+        names = sorted(tar.getnames())
+        assert names == ["work/main.py", "work/new.txt", "work/notes.txt"] and n == 3
+        f = tar.extractfile("work/main.py")
+        assert f is not None and f.read() == b"print('hi')\nx = 2\n"
+        assert tar.getmember("work/notes.txt").mode == 0o600
