@@ -12,6 +12,7 @@ import pytest
 from e2b import Sandbox
 
 from .conftest import Server
+from .test_cli import aenv
 
 pytestmark = pytest.mark.integration
 
@@ -80,6 +81,15 @@ def test_diff_and_apply_across_a_fork(e2b_env: Server, sandboxes: list[object]) 
         r = c.post(f"/sandboxes/{p.sandbox_id}/apply", json={"from": win.sandbox_id})
         assert r.status_code == 409, r.text
         assert r.json()["paths"] == [f"{W}/main.py"]
+        # The same with the CLI: one line per path, exit code 1.
+        out = aenv(server, "apply", p.sandbox_id, "--from", win.sandbox_id, check=False)
+        assert out.returncode == 1 and f"C {W}/main.py" in out.stderr, out
+        assert aenv(server, "diff", win.sandbox_id).stdout.splitlines() == [
+            f"M {W}/main.py",
+            f"A {W}/new.txt",
+            f"D {W}/old.txt",
+        ]
+        assert "-x = 1\n+x = 2\n" in aenv(server, "diff", win.sandbox_id, "--patch").stdout
         assert p.files.read(f"{W}/main.py") == "x = 3\n"  # nothing was written
         # Part of it, where there is no conflict.
         r = c.post(
@@ -110,3 +120,55 @@ def test_diff_and_apply_across_a_fork(e2b_env: Server, sandboxes: list[object]) 
         sandboxes.append(fresh)
         r = c.get(f"/sandboxes/{fresh.sandbox_id}/diff")
         assert r.status_code == 400 and "fork point" in r.json()["message"]
+
+
+COUNTER = (
+    "python3 -c 'import time\n"
+    "n = 0\n"
+    "while True:\n"
+    "    n += 1\n"
+    '    open("/tmp/n", "w").write(str(n))\n'
+    "    time.sleep(0.1)'"
+)
+
+
+def test_rollback_in_place(e2b_env: Server, sandboxes: list[object]) -> None:
+    """Back to its own snapshot: the files and a process's memory as they were, under the
+    same id and envd URL (the SDK object goes on working), the process running on."""
+    server = e2b_env
+    s = Sandbox.create(template="base", timeout=300)
+    sandboxes.append(s)
+    s.files.write("/home/user/a.txt", "v1")
+    counter = s.commands.run(COUNTER, background=True)
+    wait = "sleep 1.5; cat /tmp/n"
+    s.commands.run(wait)
+    snap = s.create_snapshot()
+    try:
+        at_snapshot = int(s.commands.run("cat /tmp/n").stdout)
+        s.commands.run("sleep 3")
+        s.files.write("/home/user/a.txt", "v2")
+        s.files.write("/home/user/b.txt", "new")
+        before = int(s.commands.run("cat /tmp/n").stdout)
+        assert before > at_snapshot + 10
+        out = aenv(server, "rollback", s.sandbox_id, snap.snapshot_id)
+        assert snap.snapshot_id in out.stdout
+        # The same SDK object: same id, same envd URL and token.
+        assert s.files.read("/home/user/a.txt") == "v1"
+        assert not s.files.exists("/home/user/b.txt")
+        after = int(s.commands.run("cat /tmp/n").stdout)
+        assert after < before  # the counter's memory went back with the files
+        assert counter.pid in [p.pid for p in s.commands.list()]
+        assert int(s.commands.run(wait).stdout) > after  # and it runs on
+        assert s.get_info().sandbox_id == s.sandbox_id
+        with server.client() as c:
+            # Bad input: not a snapshot, not one of its own.
+            r = c.post(f"/sandboxes/{s.sandbox_id}/rollback", json={"snapshotID": "nope"})
+            assert r.status_code == 404, r.text
+            other = Sandbox.create(template="base", timeout=60)
+            sandboxes.append(other)
+            r = c.post(
+                f"/sandboxes/{other.sandbox_id}/rollback", json={"snapshotID": snap.snapshot_id}
+            )
+            assert r.status_code == 400 and "not taken of" in r.json()["message"], r.text
+    finally:
+        Sandbox.delete_snapshot(snap.snapshot_id)

@@ -28,9 +28,9 @@ from .routes import (
     builds,
     bulk,
     cluster,
-    diffs,
     docs,
     events,
+    forktree,
     health,
     images,
     lineage,
@@ -85,7 +85,7 @@ def create_control_app(
     app.include_router(bulk.router)
     app.include_router(sandboxes.router)
     app.include_router(lineage.router)
-    app.include_router(diffs.router)
+    app.include_router(forktree.router)
     builds.attach(app, builder)  # template builds; before snapshots (its /templates/{id:path})
     app.include_router(tags.router)  # likewise
     app.include_router(images.router)

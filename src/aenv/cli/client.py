@@ -70,7 +70,7 @@ class ControlPlane:
         path: str,
         *,
         json: Any = None,
-        params: Mapping[str, str] | None = None,
+        params: Mapping[str, str] | tuple[tuple[str, str], ...] | None = None,
         ok: Iterable[int] = (200,),
         timeout: float | None = None,
     ) -> httpx.Response:
@@ -90,12 +90,18 @@ class ControlPlane:
 
     @contextlib.contextmanager
     def stream(
-        self, method: str, path: str, *, json: Any = None, ok: Iterable[int] = (200,)
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: tuple[tuple[str, str], ...] | None = None,
+        ok: Iterable[int] = (200,),
     ) -> Iterator[httpx.Response]:
         """A streamed answer (read it inside the `with`); errors as in `request`."""
         try:
             with self._http.stream(
-                method, path, json=json, timeout=httpx.Timeout(60.0, read=None)
+                method, path, json=json, params=params, timeout=httpx.Timeout(60.0, read=None)
             ) as resp:
                 if resp.status_code not in set(ok):
                     resp.read()

@@ -25,6 +25,7 @@ from . import (
     contexts,
     copy,
     execute,
+    forktree,
     keys,
     lineage,
     nodes,
@@ -286,6 +287,9 @@ app.command("resume", rich_help_panel=SANDBOXES)(sandboxes.resume)
 app.command("timeout", rich_help_panel=SANDBOXES)(sandboxes.timeout_)
 app.command("fork", rich_help_panel=SANDBOXES)(snapshots.fork)
 app.command("tree", rich_help_panel=SANDBOXES)(lineage.tree)
+app.command("diff", rich_help_panel=SANDBOXES)(forktree.diff)
+app.command("apply", rich_help_panel=SANDBOXES)(forktree.apply)
+app.command("rollback", rich_help_panel=SANDBOXES)(forktree.rollback)
 app.command("cp", rich_help_panel=FILES)(copy.cp)
 app.command("logs", rich_help_panel=FILES)(observe.logs)
 app.command("top", rich_help_panel=FILES)(observe.top)

@@ -27,6 +27,7 @@ from .moving import DrainResult, Mover
 from .node import Node
 from .nodeinfo import CLUSTER_ID, DiskInfo, NodeInfo, NodeStats
 from .pausing import Pauser
+from .rollback import Rollbacks
 from .sampling import Sampler
 from .sandboxes import Sandboxes
 from .snapshots import Snapshotter
@@ -38,6 +39,7 @@ __all__ = [
     "FORK_POINT",
     "Applied",
     "TreeDiffs",
+    "Rollbacks",
     "Ancestor",
     "Descendant",
     "LineageTree",

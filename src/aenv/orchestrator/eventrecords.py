@@ -29,9 +29,10 @@ CHECKPOINTED: Final = "sandbox.lifecycle.checkpointed"
 FORKED: Final = "sandbox.lifecycle.forked"
 MOVED: Final = "sandbox.lifecycle.moved"
 OOM: Final = "sandbox.lifecycle.oom"
+ROLLED_BACK: Final = "sandbox.lifecycle.rolled_back"
 
 E2B_TYPES: Final = (CREATED, KILLED, PAUSED, RESUMED, UPDATED, CHECKPOINTED)
-EVENT_TYPES: Final = (*E2B_TYPES, FORKED, MOVED, OOM)
+EVENT_TYPES: Final = (*E2B_TYPES, FORKED, MOVED, OOM, ROLLED_BACK)
 
 # `eventData.kill_reason` of a killed event: E2B's (`request`, `timeout`; e2b-dev/infra
 # `sandboxtypes/states.go`) and aenv's: the host killed it at its memory limit, its runtime

@@ -66,6 +66,7 @@ from .oom import OomGuard
 from .pausing import Pauser
 from .pool import WarmPool
 from .recovery import Recovery
+from .rollback import Rollbacks
 from .sampling import Sampler
 from .sandboxes import Sandboxes
 from .snapshots import Snapshotter
@@ -104,6 +105,7 @@ class Orchestrator:
     sampler: Final[Sampler]
     mover: Final[Mover]
     diffs: Final[TreeDiffs]
+    rollbacks: Final[Rollbacks]
 
     def __init__(
         self,
@@ -165,6 +167,7 @@ class Orchestrator:
         OomGuard(ctx, table, runtime, envd, logs, stats, events)
         self.mover = Mover(ctx, table, booter, pauser, templates, storage, events)
         self.diffs = TreeDiffs(ctx, table, templates, storage, envd)
+        self.rollbacks = Rollbacks(ctx, table, booter, templates, stats, logs, events)
 
     async def start(self, *, timers: bool = True) -> None:
         """Recovers what a previous run left and starts the timers and the sampler

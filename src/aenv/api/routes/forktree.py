@@ -1,6 +1,7 @@
-"""`GET /sandboxes/{id}/diff` and `POST /sandboxes/{id}/apply` (aenv's, docs/fork-tree.md):
-what a sandbox changed since a base — its fork point by default, a snapshot, another sandbox
-— as a list, a unified diff or a tar, and another sandbox's changes taken into it."""
+"""The fork tree's routes (aenv's, docs/fork-tree.md): `GET /sandboxes/{id}/diff`, what a
+sandbox changed since a base — its fork point by default, a snapshot, another sandbox — as a
+list, a unified diff or a tar; `POST /sandboxes/{id}/apply`, another sandbox's changes taken
+into it; `POST /sandboxes/{id}/rollback`, back to one of its own snapshots in place."""
 
 from __future__ import annotations
 
@@ -44,6 +45,15 @@ class ApplyRequest(_Request):
     exclude: list[str] = Field(default_factory=list, max_length=1_000)
     default_excludes: bool = Field(default=True, alias="defaultExcludes")
     strategy: Literal["ours", "theirs"] | None = None
+
+
+class RollbackRequest(_Request):
+    snapshot_id: str = Field(alias="snapshotID", min_length=1)
+
+
+class RollbackResult(_Response):
+    sandbox_id: str = Field(alias="sandboxID")
+    snapshot_id: str = Field(alias="snapshotID")
 
 
 class ApplyResult(_Response):
@@ -98,6 +108,16 @@ async def post_apply(
         body.strategy,
     )
     return ApplyResult(applied=[ChangeInfo.of(c) for c in done.changes], conflicts=done.conflicts)
+
+
+@router.post(
+    "/sandboxes/{sandbox_id}/rollback", summary="Bring a sandbox back to one of its snapshots"
+)
+async def post_rollback(
+    sandbox_id: str, body: RollbackRequest, orchestrator: OrchestratorDep
+) -> RollbackResult:
+    await orchestrator.rollbacks.rollback(sandbox_id, body.snapshot_id)
+    return RollbackResult(sandboxID=sandbox_id, snapshotID=body.snapshot_id)
 
 
 def _patch(changes: list[Change]) -> Iterator[bytes]:
