@@ -26,6 +26,7 @@ from aenv.console.app import Console
 from tests import netplan
 from tests.helpers import ROOT, RedisServer, free_port, redis_server, wait_healthy
 from tests.integration.conftest import AENV, Server, running_server
+from tests.integration.test_cli import aenv
 
 pytestmark = pytest.mark.integration
 
@@ -294,6 +295,20 @@ def test_snapshot_fork_and_kill_buttons(node: Server, made: list[str], page: Any
     page.wait_for_selector(".toast-ok:has-text('Forked:')", timeout=120_000)
     child = page.locator(".toast-ok:has-text('Forked:') a").first.inner_text()
     made.append(child)
+
+    # The fork tree: the child is below the parent on its page; the child's page shows what
+    # it changed since the fork, as a list and a patch.
+    page.wait_for_selector(f"#sandbox-lineage li[data-sandbox='{child}'] a")
+    aenv(node, "exec", child, "--", "sh", "-c", "echo hello-from-child > /home/user/console.txt")
+    page.goto(f"{node.url}/console/sandboxes/{child}")
+    _state(page, "running")
+    page.wait_for_selector(f"#sandbox-lineage li[data-sandbox='{sandbox_id}'] a")
+    page.click("#btn-changes")
+    page.wait_for_selector("#changes-list tr:has-text('/home/user/console.txt')")
+    assert "+hello-from-child" in page.inner_text("#changes-patch")
+    _shot(page, "sandbox-changes")
+    page.goto(f"{node.url}/console/sandboxes/{sandbox_id}")
+    _state(page, "running")
 
     # Kill asks first; cancelled, nothing happens.
     page.click("#btn-kill")

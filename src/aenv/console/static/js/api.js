@@ -83,6 +83,12 @@ export const api = {
   get: (path, query) => request("GET", path, { query }).then((r) => r.data),
   post: (path, body) => request("POST", path, { body }).then((r) => r.data),
   del: (path) => request("DELETE", path).then((r) => r.data),
+  // A text answer (a patch), not JSON.
+  text: async (path, query) => {
+    const resp = await fetch(apiUrl(path, query), { headers: { "X-API-Key": getKey() }, cache: "no-store" });
+    if (!resp.ok) throw await errorOf(resp);
+    return resp.text();
+  },
   // A page of a listing and the token of the next one (x-next-token), if any.
   page: async (path, query) => {
     const r = await request("GET", path, { query });

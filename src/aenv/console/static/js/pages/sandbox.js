@@ -1,5 +1,6 @@
 // One sandbox: its metadata (GET /sandboxes/{id}), live usage, logs (GET
-// /v2/sandboxes/{id}/logs), the lifecycle buttons, and a terminal over its PTY.
+// /v2/sandboxes/{id}/logs), the lifecycle buttons, a terminal over its PTY, and its place in
+// the fork tree (GET /sandboxes/{id}/lineage) with what it changed (GET /sandboxes/{id}/diff).
 
 import { api } from "../api.js";
 import { TerminalPanel } from "../terminal.js";
@@ -52,6 +53,13 @@ export function render(main, id) {
   );
   const openTerm = h("button", { class: "btn btn-primary", id: "btn-terminal" }, "Open terminal");
   const logs = h("div", { class: "logs", id: "sandbox-logs" });
+  const tree = h("div", { class: "lineage", id: "sandbox-lineage" }, h("span", { class: "muted" }, "…"));
+  const showChanges = h(
+    "button",
+    { class: "btn", id: "btn-changes", title: "What it changed since its fork point: files and a patch" },
+    "Changes",
+  );
+  const changes = h("div", { class: "changes", id: "sandbox-changes" });
   const follow = h("input", { type: "checkbox", checked: true, id: "logs-follow" });
 
   replace(
@@ -63,6 +71,13 @@ export function render(main, id) {
       { class: "columns" },
       h("section", { class: "card" }, h("h2", {}, "Details"), details),
       h("section", { class: "card" }, h("h2", {}, "Usage"), usage),
+    ),
+    h(
+      "section",
+      { class: "card" },
+      h("div", { class: "card-head" }, h("h2", {}, "Lineage"), h("div", { class: "spacer" }), showChanges),
+      tree,
+      changes,
     ),
     h(
       "section",
@@ -168,6 +183,66 @@ export function render(main, id) {
     );
   }
 
+  // -- the fork tree ----------------------------------------------------------------
+
+  function how(l) {
+    if (!l) return "";
+    if (l.parentID) return "fork";
+    if (l.snapshotID) return `from snapshot ${l.snapshotID}`;
+    return l.templateID ? `from ${l.templateID}` : "";
+  }
+
+  function item(n, children) {
+    const name =
+      n.sandboxID === id
+        ? h("strong", {}, n.sandboxID, " (this)")
+        : n.state === "killed"
+          ? h("span", { class: "muted" }, n.sandboxID)
+          : link(`sandboxes/${n.sandboxID}`, n.sandboxID);
+    return h(
+      "li",
+      { "data-sandbox": n.sandboxID },
+      name,
+      h("span", { class: "muted" }, ` ${n.state || ""} ${how(n.lineage)}`),
+      children?.length ? h("ul", {}, children) : null,
+    );
+  }
+
+  function below(nodes) {
+    return (nodes || []).map((d) => item(d, below(d.children)));
+  }
+
+  async function refreshLineage() {
+    const t = await api.get(`${path}/lineage`).catch(() => null);
+    if (!t) return;
+    let inner = [item({ sandboxID: id, state: info?.state, lineage: t.lineage }, below(t.descendants))];
+    for (const a of [...(t.ancestors || [])].reverse()) inner = [item(a, inner)];
+    const root = t.ancestors?.[0]?.lineage?.templateID || t.lineage?.templateID;
+    replace(tree, h("ul", { class: "tree" }, root ? h("li", {}, h("code", {}, root), h("ul", {}, inner)) : inner));
+  }
+
+  showChanges.addEventListener("click", async () => {
+    replace(changes, h("span", { class: "muted" }, "…"));
+    try {
+      const list = await api.get(`${path}/diff`);
+      const patch = list.length ? await api.text(`${path}/diff`, { format: "patch" }) : "";
+      const letter = { added: "A", changed: "M", deleted: "D" };
+      replace(
+        changes,
+        list.length
+          ? h(
+              "table",
+              { class: "grid", id: "changes-list" },
+              list.map((c) => h("tr", {}, h("td", {}, letter[c.change]), h("td", {}, h("code", {}, c.path)), h("td", {}, c.type === "file" ? fmtBytes(c.size) : c.type))),
+            )
+          : h("p", { class: "muted" }, "No changes since its fork point."),
+        patch ? h("pre", { class: "patch", id: "changes-patch" }, patch) : null,
+      );
+    } catch (err) {
+      replace(changes, h("p", { class: "muted", id: "changes-error" }, err.message));
+    }
+  });
+
   // -- logs -------------------------------------------------------------------------
 
   const seen = new Set();
@@ -219,6 +294,7 @@ export function render(main, id) {
       button.textContent = label;
       main.dataset.busy = "";
       await refresh().catch(() => {});
+      await refreshLineage();
       setButtons();
     }
   }
@@ -308,6 +384,7 @@ export function render(main, id) {
   });
 
   setButtons();
+  refreshLineage();
   const stops = [poll(refresh, REFRESH_MS), poll(refreshLogs, REFRESH_MS)];
   return () => {
     for (const stop of stops) stop();
