@@ -34,16 +34,19 @@ def test_diff_and_apply_across_a_fork(e2b_env: Server, sandboxes: list[object]) 
         f"mkdir -p {W} && printf 'x = 1\\n' > {W}/main.py && echo keep > {W}/notes.txt "
         f"&& echo old > {W}/old.txt"
     )
-    kids = [k for k in p.fork(count=2) if isinstance(k, Sandbox)]
+    kids = [k for k in p.fork(count=4) if isinstance(k, Sandbox)]
     sandboxes.extend(kids)
-    assert len(kids) == 2
-    win, other = kids
-    # The winner edits, adds and deletes (and leaves a cache behind); the other edits notes.
+    assert len(kids) == 4
+    win, other, third, fourth = kids
+    # The winner edits, adds and deletes (and leaves a cache behind); the others each edit
+    # something else.
     win.commands.run(
         f"printf 'x = 2\\n' > {W}/main.py && echo new > {W}/new.txt && rm {W}/old.txt "
         f"&& mkdir -p {W}/__pycache__ && echo c > {W}/__pycache__/main.pyc"
     )
     other.commands.run(f"echo other > {W}/notes.txt")
+    third.commands.run(f"mkdir -p {W}/lib && echo 'def f(): pass' > {W}/lib/util.py")
+    fourth.commands.run(f"chmod 600 {W}/notes.txt && ln -s main.py {W}/link.py")
 
     assert changes(server, win.sandbox_id) == {
         (f"{W}/main.py", "changed"),
@@ -51,6 +54,21 @@ def test_diff_and_apply_across_a_fork(e2b_env: Server, sandboxes: list[object]) 
         (f"{W}/old.txt", "deleted"),
     }
     assert changes(server, other.sandbox_id) == {(f"{W}/notes.txt", "changed")}
+    assert changes(server, third.sandbox_id) == {
+        (f"{W}/lib", "added"),
+        (f"{W}/lib/util.py", "added"),
+    }
+    assert changes(server, fourth.sandbox_id) == {
+        (f"{W}/notes.txt", "changed"),
+        (f"{W}/link.py", "added"),
+    }
+    # Paused (its memory kept) it answers the same, what it wrote last included.
+    other.commands.run(f"echo 'other, later' > {W}/notes.txt")
+    with server.client() as c:
+        assert c.post(f"/sandboxes/{other.sandbox_id}/pause").status_code == 204
+        r = c.get(f"/sandboxes/{other.sandbox_id}/diff", params={"format": "patch"})
+        assert r.status_code == 200 and "+other, later\n" in r.text, r.text
+        assert c.get(f"/sandboxes/{other.sandbox_id}").json()["state"] == "paused"
     # The cache is there when asked for.
     assert (f"{W}/__pycache__/main.pyc", "added") in changes(
         server, win.sandbox_id, defaultExcludes="false"
