@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import secrets
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from tests import netplan
 from tests.tls import make_certs
+
+from . import netns_host
 
 # The session's own link and /27 (tests/netplan.py): two sessions' fake internets coexist.
 NET_HOST, NET_PEER = netplan.link(0).host, netplan.link(0).peer
@@ -130,8 +129,7 @@ dns()
 @contextlib.contextmanager
 def fake_internet() -> Iterator[None]:
     """Up for the duration of the context; names unique per run."""
-    tok = secrets.token_hex(3)
-    ns, veth = f"{netplan.name('gx')}-{tok}", f"{netplan.name('gx')}{tok}"
+    ns, veth = netns_host.names("gx")
     setup = f"""set -e
 ip netns add {ns}
 ip link add {veth} type veth peer name eth0 netns {ns}
@@ -142,39 +140,19 @@ ip -n {ns} addr add {A}/32 dev lo; ip -n {ns} addr add {B}/32 dev lo
 ip -n {ns} addr add {DNS}/32 dev lo
 ip route add {TARGETS} via {NET_PEER} dev {veth}
 """
-    proc = None
     with tempfile.TemporaryDirectory(prefix="aeegx-") as tmp:
         certs = make_certs(Path(tmp), "fake-internet")
-        try:
-            subprocess.run(["sh", "-c", setup], check=True)
-            proc = subprocess.Popen(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    sys.executable,
-                    "-c",
-                    SERVERS,
-                    str(certs.cert),
-                    str(certs.key),
-                    DNS,
-                    json.dumps(NAMES),
-                ],
-                stdin=subprocess.DEVNULL,
-            )
-            deadline = time.monotonic() + 10
-            while not all(b"ext " in host_get(ip, PORT) for ip in (A, B)):
-                assert time.monotonic() < deadline, "the fake internet does not answer"
-                time.sleep(0.05)
+        with netns_host.serving(
+            ns,
+            veth,
+            setup,
+            SERVERS,
+            [str(certs.cert), str(certs.key), DNS, json.dumps(NAMES)],
+            lambda: all(b"ext " in host_get(ip, PORT) for ip in (A, B)),
+            "the fake internet",
+            undo=[["ip", "route", "del", TARGETS, "dev", veth]],
+        ):
             yield
-        finally:
-            if proc is not None:
-                proc.kill()
-                proc.wait()
-            subprocess.run(["ip", "route", "del", TARGETS, "dev", veth], capture_output=True)
-            subprocess.run(["ip", "link", "del", veth], capture_output=True)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def host_get(ip: str, port: int) -> bytes:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from e2b import Sandbox
+from e2b.sandbox.commands.command_handle import PtySize
 
 from tests.helpers import wait_until
 
@@ -80,3 +83,45 @@ def wait_port(sbx: Sandbox, port: int, timeout: float = 15) -> None:
         0.2,
         f"port {port} to open in the sandbox",
     )
+
+
+def assert_kill_ends_streams(s: Sandbox, kill: Callable[[], bool]) -> None:
+    """As on E2B: a kill (`kill()`) ends a running command's and a PTY's streams, read
+    meanwhile, with the SDK's "killed" error (not a hang until the command would have
+    ended), and `is_running()` then says False."""
+    cmd = s.commands.run("sleep 600", background=True)
+    pty = s.pty.create(PtySize(rows=24, cols=80))
+    errors: dict[str, BaseException] = {}
+    waiting: set[str] = set()
+
+    def wait(name: str, handle: Any) -> None:
+        waiting.add(name)
+        try:
+            handle.wait()
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertions
+            errors[name] = exc
+
+    waiters = [
+        threading.Thread(target=wait, args=(n, h), daemon=True)
+        for n, h in (("command", cmd), ("pty", pty))
+    ]
+    for t in waiters:
+        t.start()
+    # Both streams are being read and both processes run when the kill comes.
+    wait_until(
+        lambda: (
+            waiting == {"command", "pty"}
+            and {cmd.pid, pty.pid} <= {p.pid for p in s.commands.list()}
+        ),
+        30,
+        0.05,
+        "the command and the PTY to run, their streams read",
+    )
+    assert kill()
+    for t in waiters:
+        t.join(60)
+    assert not any(t.is_alive() for t in waiters), "a stream outlived its sandbox"
+    assert set(errors) == {"command", "pty"}
+    for exc in errors.values():
+        assert "sandbox was killed or reached its end of life" in str(exc), repr(exc)
+    assert not s.is_running()

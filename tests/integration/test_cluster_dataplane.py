@@ -9,20 +9,16 @@ from __future__ import annotations
 import base64
 import json
 import struct
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
 from e2b import Sandbox
-from e2b.sandbox.commands.command_handle import PtySize
-
-from tests.helpers import wait_until
 
 from .cluster_env import Cluster, node_ids, run_cluster
+from .helpers import assert_kill_ends_streams
 
 pytestmark = pytest.mark.integration
 
@@ -73,41 +69,7 @@ def test_a_kill_ends_streams_through_a_gateway(cluster: Cluster) -> None:
     which resets the client's), not a hang nor a malformed-body error."""
     gw = cluster.gateways[0]
     s = cluster.create(gw)
-    cmd = s.commands.run("sleep 600", background=True)
-    pty = s.pty.create(PtySize(rows=24, cols=80))
-    errors: dict[str, BaseException] = {}
-    waiting: set[str] = set()
-
-    def wait(name: str, handle: Any) -> None:
-        waiting.add(name)
-        try:
-            handle.wait()
-        except BaseException as exc:  # noqa: BLE001 - recorded for the assertions
-            errors[name] = exc
-
-    waiters = [
-        threading.Thread(target=wait, args=(n, h), daemon=True)
-        for n, h in (("command", cmd), ("pty", pty))
-    ]
-    for t in waiters:
-        t.start()
-    wait_until(
-        lambda: (
-            waiting == {"command", "pty"}
-            and {cmd.pid, pty.pid} <= {p.pid for p in s.commands.list()}
-        ),
-        30,
-        0.05,
-        "the command and the PTY to run, their streams read",
-    )
-    assert Sandbox.kill(s.sandbox_id, **gw.sdk())
-    for t in waiters:
-        t.join(60)
-    assert not any(t.is_alive() for t in waiters), "a stream outlived its sandbox"
-    assert set(errors) == {"command", "pty"}
-    for exc in errors.values():
-        assert "sandbox was killed or reached its end of life" in str(exc), repr(exc)
-    assert not s.is_running()
+    assert_kill_ends_streams(s, lambda: Sandbox.kill(s.sandbox_id, **gw.sdk()))
 
 
 def test_a_kill_resets_a_raw_stream_through_a_gateway(cluster: Cluster) -> None:

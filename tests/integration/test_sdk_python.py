@@ -10,7 +10,7 @@ import pytest
 from e2b import CommandExitException, NotFoundException, Sandbox, SandboxQuery
 from e2b.exceptions import SandboxException
 
-from tests.helpers import wait_until
+from .helpers import assert_kill_ends_streams
 
 pytestmark = pytest.mark.integration
 
@@ -141,47 +141,10 @@ def test_timeout_kill_and_not_found(sandboxes: list[object]) -> None:
 def test_kill_ends_open_streams_and_is_running(sandboxes: list[object]) -> None:
     """As on E2B: a kill ends a running command's and a PTY's streams (not a hang until the
     command would have ended) with the SDK's "killed" error, and `is_running()` says False."""
-    from e2b.sandbox.commands.command_handle import PtySize
-
     s = Sandbox.create(template="base", timeout=120)
     sandboxes.append(s)
     assert s.is_running()
-    cmd = s.commands.run("sleep 600", background=True)
-    pty = s.pty.create(PtySize(rows=24, cols=80))
-    errors: dict[str, BaseException] = {}
-    waiting: set[str] = set()
-
-    def wait(name: str, handle: object) -> None:
-        waiting.add(name)
-        try:
-            handle.wait()  # type: ignore[attr-defined]
-        except BaseException as exc:  # noqa: BLE001 - recorded for the assertions
-            errors[name] = exc
-
-    waiters = [
-        threading.Thread(target=wait, args=(n, h), daemon=True)
-        for n, h in (("command", cmd), ("pty", pty))
-    ]
-    for t in waiters:
-        t.start()
-    # Both streams are being read and both processes run when the kill comes.
-    wait_until(
-        lambda: (
-            waiting == {"command", "pty"}
-            and {cmd.pid, pty.pid} <= {p.pid for p in s.commands.list()}
-        ),
-        30,
-        0.05,
-        "the command and the PTY to run, their streams read",
-    )
-    assert s.kill()
-    for t in waiters:
-        t.join(60)
-    assert not any(t.is_alive() for t in waiters), "a stream outlived its sandbox"
-    assert set(errors) == {"command", "pty"}
-    for exc in errors.values():
-        assert "sandbox was killed or reached its end of life" in str(exc), repr(exc)
-    assert not s.is_running()
+    assert_kill_ends_streams(s, s.kill)
 
 
 def test_signed_file_urls_without_a_domain(sandboxes: list[object]) -> None:

@@ -14,9 +14,7 @@ import contextlib
 import json
 import secrets
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests import netplan
+from tests.integration import netns_host
 from tests.integration.conftest import Server, running_server
 from tests.tls import TlsFiles, make_certs
 
@@ -76,48 +75,25 @@ serve(443, True)
 @contextlib.contextmanager
 def echo_host(certs: TlsFiles) -> Iterator[None]:
     """The echo server on IP (:80 and :443), in its own namespace, removed afterwards."""
-    tok = secrets.token_hex(3)
-    ns, veth = f"{netplan.name('sx')}-{tok}", f"{netplan.name('sx')}{tok}"
+    ns, veth = netns_host.names("sx")
     setup = f"""set -e
 ip netns add {ns}
 ip link add {veth} type veth peer name eth0 netns {ns}
 ip addr add {LINK.host}/30 dev {veth}; ip link set {veth} up
 ip -n {ns} addr add {IP}/30 dev eth0; ip -n {ns} link set eth0 up; ip -n {ns} link set lo up
 """
-    proc = None
-    try:
-        subprocess.run(["sh", "-c", setup], check=True)
-        proc = subprocess.Popen(
-            [
-                "ip",
-                "netns",
-                "exec",
-                ns,
-                sys.executable,
-                "-c",
-                ECHO,
-                str(certs.cert),
-                str(certs.key),
-            ],
-            stdin=subprocess.DEVNULL,
+
+    def ready() -> bool:
+        r = subprocess.run(
+            ["curl", "-s", "--resolve", f"{HOST}:80:{IP}", f"http://{HOST}/"],
+            capture_output=True,
         )
-        deadline = time.monotonic() + 10
-        while True:
-            r = subprocess.run(
-                ["curl", "-s", "--resolve", f"{HOST}:80:{IP}", f"http://{HOST}/"],
-                capture_output=True,
-            )
-            if b'"headers"' in r.stdout:
-                break
-            assert time.monotonic() < deadline, "the echo host does not answer"
-            time.sleep(0.1)
+        return b'"headers"' in r.stdout
+
+    with netns_host.serving(
+        ns, veth, setup, ECHO, [str(certs.cert), str(certs.key)], ready, "the echo host"
+    ):
         yield
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-        subprocess.run(["ip", "link", "del", veth], capture_output=True)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 @pytest.fixture(scope="module")
