@@ -12,10 +12,10 @@ from pydantic import Field
 from aenv.errors import BadRequest
 from aenv.orchestrator import TEAM_ID, Delivery, Webhook, WebhookStats
 
-from .models import _Request, _Response
+from .wire import ApiRequest, ApiResponse
 
 
-class SandboxEvent(_Response):
+class SandboxEvent(ApiResponse):
     """One lifecycle event (for the API reference: the routes answer the stored JSON)."""
 
     _KEEP_NULL: ClassVar[frozenset[str]] = frozenset({"eventData"})
@@ -31,7 +31,7 @@ class SandboxEvent(_Response):
     timestamp: datetime
 
 
-class WebhookCreate(_Request):
+class WebhookCreate(ApiRequest):
     name: str = Field(min_length=1, max_length=256)
     url: str = Field(min_length=1, max_length=2048)
     enabled: bool = True
@@ -43,7 +43,7 @@ class WebhookCreate(_Request):
     )
 
 
-class WebhookUpdate(_Request):
+class WebhookUpdate(ApiRequest):
     name: str | None = Field(default=None, min_length=1, max_length=256)
     url: str | None = Field(default=None, min_length=1, max_length=2048)
     enabled: bool | None = None
@@ -53,7 +53,7 @@ class WebhookUpdate(_Request):
     )
 
 
-class ClusterWebhook(_Request):
+class ClusterWebhook(ApiRequest):
     """A cluster's webhook as a gateway hands it to every node (its id and secret are the
     same on all of them)."""
 
@@ -73,7 +73,7 @@ class ClusterWebhook(_Request):
         return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
-class WebhookOut(_Response):
+class WebhookOut(ApiResponse):
     id: str
     team_id: str = Field(alias="teamId")
     name: str
@@ -98,7 +98,7 @@ class WebhookOut(_Response):
         )
 
 
-class WebhookDelivery(_Response):
+class WebhookDelivery(ApiResponse):
     """One attempt to deliver an event (or its drop: `outcome` `dropped`)."""
 
     id: str
@@ -130,7 +130,7 @@ class WebhookDelivery(_Response):
         )
 
 
-class WebhookStatsOut(_Response):
+class WebhookStatsOut(ApiResponse):
     delivered: int
     failed: int
     dropped: int

@@ -12,18 +12,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
     field_validator,
-    model_serializer,
 )
 
 from aenv.domain import (
     DEFAULT_TEMPLATE,
     CreateRequest,
     EgressPolicy,
-    Lineage,
     MountRequest,
     SandboxRecord,
 )
@@ -32,8 +28,8 @@ from aenv.errors import BadRequest
 from aenv.secretstore import SecretStore
 
 from .inputs import EnvVars, Metadata
-
-ApiState = Literal["running", "paused"]
+from .tree_models import LineageInfo
+from .wire import ApiRequest, ApiResponse, ApiState
 
 # How our lifecycle states look through E2B's two-state lens; the same mapping as
 # `SandboxTable.list(states=...)` applies. States missing here (killing, killed, lost) are
@@ -57,30 +53,24 @@ def api_state(r: SandboxRecord) -> ApiState | None:
 # Requests
 
 
-class _Request(BaseModel):
-    # Strict, as E2B's JSON decoding: `"timeout": "10"` or `"secure": "yes"` is a 400, not a
-    # guess.
-    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
-
-
-class AutoResume(_Request):
+class AutoResume(ApiRequest):
     enabled: bool = False
 
 
-class NetworkTransform(_Request):
+class NetworkTransform(ApiRequest):
     """E2B's SandboxNetworkTransform: headers set on matching requests (values may hold
     `${e2b.secrets.NAME}`, resolved at egress only)."""
 
     headers: dict[str, str] | None = Field(default=None, max_length=64)
 
 
-class NetworkRule(_Request):
+class NetworkRule(ApiRequest):
     """E2B's SandboxNetworkRule."""
 
     transform: NetworkTransform | None = None
 
 
-class EgressRules(_Request):
+class EgressRules(ApiRequest):
     """The egress part of E2B's SandboxNetworkConfig / SandboxNetworkUpdateConfig."""
 
     allow_out: list[str] | None = Field(default=None, alias="allowOut", max_length=1000)
@@ -138,7 +128,7 @@ class NetworkUpdate(EgressRules):
     allow_internet_access: bool | None = None
 
 
-class VolumeMountBody(_Request):
+class VolumeMountBody(ApiRequest):
     """An item of a create's `volumeMounts`."""
 
     name: str = Field(min_length=1, max_length=255)
@@ -147,7 +137,7 @@ class VolumeMountBody(_Request):
     read_only: bool = Field(default=False, alias="readOnly")
 
 
-class SandboxOptions(_Request):
+class SandboxOptions(ApiRequest):
     """What every create body sets besides where the sandbox comes from (a template, an
     image), turned into the orchestrator's request in one place (`to_request`)."""
 
@@ -221,21 +211,21 @@ class NewSandbox(NewSandboxV2):
     secure: bool | None = None
 
 
-class ConnectSandbox(_Request):
+class ConnectSandbox(ApiRequest):
     """Body of v1 `POST /sandboxes/{id}/connect`: `timeout` is required."""
 
     timeout: int = Field(ge=0)
     memory: bool | None = None
 
 
-class ConnectSandboxV2(_Request):
+class ConnectSandboxV2(ApiRequest):
     """Body of `POST /v2/sandboxes/{id}/connect`."""
 
     timeout: int | None = Field(default=None, ge=0)
     memory: bool | None = None
 
 
-class ResumedSandbox(_Request):
+class ResumedSandbox(ApiRequest):
     """Body of the legacy `POST /sandboxes/{id}/resume`."""
 
     timeout: int | None = Field(default=None, ge=0)
@@ -243,19 +233,19 @@ class ResumedSandbox(_Request):
     memory: bool | None = None
 
 
-class TimeoutBody(_Request):
+class TimeoutBody(ApiRequest):
     """Body of `POST /sandboxes/{id}/timeout`: seconds from now."""
 
     timeout: int = Field(ge=0)
 
 
-class RefreshBody(_Request):
+class RefreshBody(ApiRequest):
     """Body of `POST /sandboxes/{id}/refreshes`."""
 
     duration: int | None = Field(default=None, ge=0, le=3600)
 
 
-class PauseBody(_Request):
+class PauseBody(ApiRequest):
     """Body of `POST /sandboxes/{id}/pause`."""
 
     memory: bool | None = None
@@ -266,26 +256,11 @@ class PauseBody(_Request):
 # Responses
 
 
-class _Response(BaseModel):
-    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
-
-    # Wire names that stay in the JSON as `null` instead of being dropped.
-    _KEEP_NULL: ClassVar[frozenset[str]] = frozenset()
-
-    @model_serializer(mode="wrap")
-    def _drop_nulls(self, handler: SerializerFunctionWrapHandler):
-        # No return annotation on purpose: the JSON schema then stays the model's own.
-        data = handler(self)
-        if not isinstance(data, dict):
-            return data
-        return {k: v for k, v in data.items() if v is not None or k in self._KEEP_NULL}
-
-
 def _aware(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
-class Sandbox(_Response):
+class Sandbox(ApiResponse):
     """Create/connect/resume response."""
 
     _KEEP_NULL: ClassVar[frozenset[str]] = frozenset({"trafficAccessToken", "domain"})
@@ -314,14 +289,14 @@ class Sandbox(_Response):
         )
 
 
-class VolumeMountInfo(_Response):
+class VolumeMountInfo(ApiResponse):
     name: str
     path: str
     # Only when true (aenv's extension).
     read_only: bool | None = Field(default=None, alias="readOnly")
 
 
-class _SandboxInfo(_Response):
+class _SandboxInfo(ApiResponse):
     """Fields shared by `ListedSandbox` and `SandboxDetail`."""
 
     template_id: str = Field(alias="templateID")
@@ -374,7 +349,7 @@ class ListedSandbox(_SandboxInfo):
         return cls(**cls._common(record, state))
 
 
-class BulkFailure(_Response):
+class BulkFailure(ApiResponse):
     """A sandbox a bulk operation could not act on, and why."""
 
     sandbox_id: str = Field(alias="sandboxID")
@@ -382,19 +357,19 @@ class BulkFailure(_Response):
     message: str
 
 
-class BulkResult(_Response):
+class BulkResult(ApiResponse):
     """Answer of the bulk routes (routes/bulk.py): the ids acted on, the ids that failed."""
 
     sandbox_ids: list[str] = Field(alias="sandboxIDs")
     failed: list[BulkFailure] = Field(default_factory=list)
 
 
-class Lifecycle(_Response):
+class Lifecycle(ApiResponse):
     auto_resume: bool = Field(alias="autoResume")
     on_timeout: Literal["pause", "kill"] = Field(alias="onTimeout")
 
 
-class NetworkInfo(_Response):
+class NetworkInfo(ApiResponse):
     """The egress rules of a sandbox, as `GET /sandboxes/{id}` shows them."""
 
     allow_public_traffic: bool = Field(alias="allowPublicTraffic")
@@ -420,48 +395,6 @@ class NetworkInfo(_Response):
             maskRequestHost=r.mask_request_host,
             rules=rules or None,
         )
-
-
-class LineageInfo(_Response):
-    """Where a sandbox came from (aenv's, docs/fork-tree.md; the E2B SDKs ignore it)."""
-
-    template_id: str | None = Field(default=None, alias="templateID")
-    snapshot_id: str | None = Field(default=None, alias="snapshotID")
-    snapshot_of: str | None = Field(default=None, alias="snapshotOf")
-    parent_id: str | None = Field(default=None, alias="parentID")
-    fork_point: str | None = Field(default=None, alias="forkPoint")
-
-    @classmethod
-    def of(cls, lineage: Lineage) -> LineageInfo:
-        return cls(
-            templateID=lineage.template_id,
-            snapshotID=lineage.snapshot_id,
-            snapshotOf=lineage.snapshot_of,
-            parentID=lineage.parent_id,
-            forkPoint=lineage.fork_point,
-        )
-
-
-class LineageAncestor(_Response):
-    sandbox_id: str = Field(alias="sandboxID")
-    state: Literal["running", "paused", "killed"]
-    lineage: LineageInfo | None = None  # unknown for a killed one
-
-
-class LineageDescendant(_Response):
-    sandbox_id: str = Field(alias="sandboxID")
-    state: ApiState
-    lineage: LineageInfo
-    children: list[LineageDescendant] = Field(default_factory=list)
-
-
-class LineageTreeInfo(_Response):
-    """`GET /sandboxes/{id}/lineage`: ancestors oldest first, live descendants as a tree."""
-
-    sandbox_id: str = Field(alias="sandboxID")
-    lineage: LineageInfo
-    ancestors: list[LineageAncestor]
-    descendants: list[LineageDescendant]
 
 
 class SandboxDetail(_SandboxInfo):

@@ -11,10 +11,11 @@ from pydantic import Field
 from aenv.domain import LIVE_STATES
 from aenv.orchestrator import CLUSTER_ID, DiskInfo, LogEntry, MetricSample, NodeInfo
 
-from .models import ListedSandbox, _Response, api_state
+from .models import ListedSandbox, api_state
+from .wire import ApiResponse
 
 
-class SandboxMetric(_Response):
+class SandboxMetric(ApiResponse):
     timestamp: datetime
     timestamp_unix: int = Field(alias="timestampUnix")
     cpu_count: int = Field(alias="cpuCount")
@@ -41,16 +42,16 @@ class SandboxMetric(_Response):
         )
 
 
-class SandboxesWithMetrics(_Response):
+class SandboxesWithMetrics(ApiResponse):
     sandboxes: dict[str, SandboxMetric]
 
 
-class SandboxLog(_Response):
+class SandboxLog(ApiResponse):
     timestamp: datetime
     line: str
 
 
-class SandboxLogEntry(_Response):
+class SandboxLogEntry(ApiResponse):
     timestamp: datetime
     level: str
     message: str
@@ -61,16 +62,16 @@ class SandboxLogEntry(_Response):
         return cls(timestamp=e.at, level=e.level, message=e.message, fields=dict(e.fields))
 
 
-class SandboxLogs(_Response):
+class SandboxLogs(ApiResponse):
     logs: list[SandboxLog]
     log_entries: list[SandboxLogEntry] = Field(alias="logEntries")
 
 
-class SandboxLogsV2(_Response):
+class SandboxLogsV2(ApiResponse):
     logs: list[SandboxLogEntry]
 
 
-class DiskMetrics(_Response):
+class DiskMetrics(ApiResponse):
     mount_point: str = Field(alias="mountPoint")
     device: str
     filesystem_type: str = Field(alias="filesystemType")
@@ -88,7 +89,7 @@ class DiskMetrics(_Response):
         )
 
 
-class NodeMetrics(_Response):
+class NodeMetrics(ApiResponse):
     allocated_cpu: int = Field(alias="allocatedCPU")
     allocated_memory_bytes: int = Field(alias="allocatedMemoryBytes")
     cpu_percent: int = Field(alias="cpuPercent")
@@ -108,14 +109,14 @@ class NodeMetrics(_Response):
     memory_budget_bytes: int = Field(alias="memoryBudgetBytes")
 
 
-class MachineInfo(_Response):
+class MachineInfo(ApiResponse):
     cpu_family: str = Field(alias="cpuFamily")
     cpu_model: str = Field(alias="cpuModel")
     cpu_model_name: str = Field(alias="cpuModelName")
     cpu_architecture: str = Field(alias="cpuArchitecture")
 
 
-class Node(_Response):
+class Node(ApiResponse):
     """An item of `GET /nodes`."""
 
     id: str

@@ -21,7 +21,8 @@ from aenv.builds.store import BuildRecord, LogEntry
 from aenv.errors import BadRequest
 
 from ..auth import require_api_key
-from ..models import ErrorBody, _Request, _Response
+from ..models import ErrorBody
+from ..wire import ApiRequest, ApiResponse
 
 router = APIRouter(
     tags=["templates"],
@@ -53,7 +54,7 @@ BuilderDep = Annotated[Builder, Depends(get_builder)]
 # models
 
 
-class TemplateBuildRequest(_Request):
+class TemplateBuildRequest(ApiRequest):
     """`POST /v3/templates` (`name`), also the deprecated `alias`."""
 
     name: str | None = Field(default=None, min_length=1, max_length=128)
@@ -64,7 +65,7 @@ class TemplateBuildRequest(_Request):
     min_free_disk_mb: int | None = Field(default=None, alias="minFreeDiskMb", ge=0)
 
 
-class TemplateRequestResponse(_Response):
+class TemplateRequestResponse(ApiResponse):
     template_id: str = Field(alias="templateID")
     build_id: str = Field(alias="buildID")
     public: bool = False
@@ -73,12 +74,12 @@ class TemplateRequestResponse(_Response):
     aliases: list[str]
 
 
-class FileUpload(_Response):
+class FileUpload(ApiResponse):
     present: bool
     url: str | None = None
 
 
-class BuildLogEntry(_Response):
+class BuildLogEntry(ApiResponse):
     timestamp: datetime
     message: str
     level: Literal["debug", "info", "warn", "error"]
@@ -94,12 +95,12 @@ class BuildLogEntry(_Response):
         )
 
 
-class BuildStatusReason(_Response):
+class BuildStatusReason(ApiResponse):
     message: str
     step: str | None = None
 
 
-class TemplateBuildInfo(_Response):
+class TemplateBuildInfo(ApiResponse):
     template_id: str = Field(alias="templateID")
     build_id: str = Field(alias="buildID")
     status: Literal["building", "waiting", "ready", "error"]
@@ -108,11 +109,11 @@ class TemplateBuildInfo(_Response):
     reason: BuildStatusReason | None = None
 
 
-class TemplateBuildLogs(_Response):
+class TemplateBuildLogs(ApiResponse):
     logs: list[BuildLogEntry]
 
 
-class TemplateBuild(_Response):
+class TemplateBuild(ApiResponse):
     """An item of `builds` in `GET /templates/{id}`."""
 
     _KEEP_NULL: ClassVar[frozenset[str]] = frozenset()

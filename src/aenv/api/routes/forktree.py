@@ -11,54 +11,25 @@ from typing import IO, Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import StreamingResponse
-from pydantic import Field
 
 from aenv.images.treediff import DEFAULT_EXCLUDE, Change, tar_file, unified
 
 from ..auth import require_api_key
 from ..deps import OrchestratorDep
-from ..models import LIFECYCLE_ERRORS, _Request, _Response
+from ..models import LIFECYCLE_ERRORS
+from ..tree_models import (
+    ApplyRequest,
+    ApplyResult,
+    ChangeInfo,
+    RollbackRequest,
+    RollbackResult,
+)
 
 router = APIRouter(
     tags=["sandboxes"], dependencies=[Depends(require_api_key)], responses=LIFECYCLE_ERRORS
 )
 
 _CHUNK = 1 << 16
-
-
-class ChangeInfo(_Response):
-    path: str
-    change: Literal["added", "changed", "deleted"]
-    type: Literal["file", "dir", "symlink", "other"]
-    size: int
-    mode: int
-
-    @classmethod
-    def of(cls, c: Change) -> ChangeInfo:
-        return cls(path=c.path, change=c.change, type=c.type, size=c.size, mode=c.mode)
-
-
-class ApplyRequest(_Request):
-    source: str = Field(alias="from", min_length=1)
-    base: str | None = None
-    paths: list[str] = Field(default_factory=list, max_length=10_000)
-    exclude: list[str] = Field(default_factory=list, max_length=1_000)
-    default_excludes: bool = Field(default=True, alias="defaultExcludes")
-    strategy: Literal["ours", "theirs"] | None = None
-
-
-class RollbackRequest(_Request):
-    snapshot_id: str = Field(alias="snapshotID", min_length=1)
-
-
-class RollbackResult(_Response):
-    sandbox_id: str = Field(alias="sandboxID")
-    snapshot_id: str = Field(alias="snapshotID")
-
-
-class ApplyResult(_Response):
-    applied: list[ChangeInfo]
-    conflicts: list[str]
 
 
 def _excludes(exclude: list[str], defaults: bool) -> list[str]:

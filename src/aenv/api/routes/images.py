@@ -22,7 +22,8 @@ from aenv.orchestrator import check_timeout
 
 from ..auth import key_name, require_api_key
 from ..deps import SecretsDep, SettingsDep
-from ..models import ErrorBody, Sandbox, SandboxOptions, _Request, check_secrets
+from ..models import ErrorBody, Sandbox, SandboxOptions, check_secrets
+from ..wire import ApiRequest
 from .builds import BuilderDep
 from .sandboxes import add_timing
 
@@ -33,7 +34,7 @@ router = APIRouter(
 )
 
 
-class RegistryAuth(_Request):
+class RegistryAuth(ApiRequest):
     """Credentials for the image's registry (E2B's `fromImageRegistry` shapes)."""
 
     type: str = "registry"
@@ -57,7 +58,7 @@ class ColdSandbox(SandboxOptions):
     start_entrypoint: bool = Field(default=False, alias="startEntrypoint")
 
 
-class PullRequest(_Request):
+class PullRequest(ApiRequest):
     image: str = Field(min_length=1, max_length=512)
     registry: RegistryAuth | None = None
 

@@ -9,13 +9,8 @@ from aenv.orchestrator import Descendant, lineage_tree
 
 from ..auth import require_api_key
 from ..deps import OrchestratorDep
-from ..models import (
-    LIFECYCLE_ERRORS,
-    LineageAncestor,
-    LineageDescendant,
-    LineageInfo,
-    LineageTreeInfo,
-)
+from ..models import LIFECYCLE_ERRORS
+from ..tree_models import LineageAncestor, LineageDescendant, LineageInfo, LineageTreeInfo
 
 router = APIRouter(
     tags=["sandboxes"], dependencies=[Depends(require_api_key)], responses=LIFECYCLE_ERRORS

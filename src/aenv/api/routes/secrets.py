@@ -16,7 +16,8 @@ from aenv.secretstore import SecretInfo as StoredSecret
 from ..auth import key_name, require_api_key
 from ..deps import SecretsDep
 from ..listing import Cursor, paginate
-from ..models import ErrorBody, _Request, _Response
+from ..models import ErrorBody
+from ..wire import ApiRequest, ApiResponse
 from .sandboxes import NEXT_TOKEN_HEADER
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -25,7 +26,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 router = APIRouter(tags=["secrets"], dependencies=[Depends(require_api_key)], responses=_ERRORS)
 
 
-class NewSecret(_Request):
+class NewSecret(ApiRequest):
     """E2B's NewSecret: the name is checked by the store (letters, digits, `_`, `-`)."""
 
     name: str = Field(min_length=1, max_length=128)
@@ -33,14 +34,14 @@ class NewSecret(_Request):
     metadata: dict[str, str] | None = None
 
 
-class SecretUpdate(_Request):
+class SecretUpdate(ApiRequest):
     """E2B's SecretUpdate: a new value; metadata, when given, replaces the stored one."""
 
     value: str
     metadata: dict[str, str] | None = None
 
 
-class Secret(_Response):
+class Secret(ApiResponse):
     """E2B's Secret: metadata only, never the value."""
 
     secret_id: str = Field(alias="secretID")

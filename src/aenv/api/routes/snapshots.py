@@ -19,7 +19,8 @@ from aenv.orchestrator import Orchestrator
 from ..auth import key_name, require_api_key
 from ..deps import OrchestratorDep, SettingsDep
 from ..listing import Cursor, paginate
-from ..models import LIFECYCLE_ERRORS, ErrorBody, Sandbox, _Request, _Response
+from ..models import LIFECYCLE_ERRORS, ErrorBody, Sandbox
+from ..wire import ApiRequest, ApiResponse
 from .builds import BuilderDep, TemplateBuild
 from .sandboxes import NEXT_TOKEN_HEADER, add_timing
 
@@ -34,12 +35,12 @@ router = APIRouter(
 DEFAULT_DISK_MB = 1024
 
 
-class SnapshotRequest(_Request):
+class SnapshotRequest(ApiRequest):
     name: str | None = Field(default=None, max_length=128)
     memory: bool | None = None
 
 
-class SnapshotInfo(_Response):
+class SnapshotInfo(ApiResponse):
     """E2B's `SnapshotInfo` (`snapshotID`, `names`), and what tells snapshots apart: `mode`
     `full` (memory and processes: sandboxes made from it continue where it was) or
     `filesystem` (files only: they boot fresh), the source sandbox and when it was taken."""
@@ -61,17 +62,17 @@ class SnapshotInfo(_Response):
         )
 
 
-class ForkRequest(_Request):
+class ForkRequest(ApiRequest):
     count: int = Field(default=1, ge=1, le=20)
     timeout: int | None = Field(default=None, ge=0)
 
 
-class ForkResultBody(_Response):
+class ForkResultBody(ApiResponse):
     sandbox: Sandbox | None = None
     error: ErrorBody | None = None
 
 
-class TemplateInfo(_Response):
+class TemplateInfo(ApiResponse):
     template_id: str = Field(alias="templateID")
     build_id: str = Field(alias="buildID")
     cpu_count: int = Field(alias="cpuCount")
@@ -325,7 +326,7 @@ async def get_template(
     return {**body, "builds": [TemplateBuild.of(b).model_dump(mode="json") for b in builds]}
 
 
-class TemplateUpdate(_Request):
+class TemplateUpdate(ApiRequest):
     """E2B's `TemplateUpdateRequest` (`public`: one team here, so accepted and moot) and
     aenv's lifecycle setting: `standbyAfter` seconds idle before standby for the template's
     sandboxes that set none at create (null: the node's setting; 0: never)."""
@@ -347,7 +348,7 @@ async def update_template(
     return {"templateID": owner_of(rec), "standbyAfter": rec.standby_after}
 
 
-class TemplateUpdated(_Response):
+class TemplateUpdated(ApiResponse):
     """E2B's `TemplateUpdateResponse`: the template's names."""
 
     names: list[str]

@@ -15,7 +15,8 @@ from pydantic import Field
 from aenv.builds.tag_history import AssignmentEvent, GroupSort, count, groups, normalized, page
 
 from ..auth import require_api_key
-from ..models import ErrorBody, _Request, _Response
+from ..models import ErrorBody
+from ..wire import ApiRequest, ApiResponse
 from .builds import BuilderDep
 
 router = APIRouter(
@@ -25,22 +26,22 @@ router = APIRouter(
 )
 
 
-class AssignTagsRequest(_Request):
+class AssignTagsRequest(ApiRequest):
     target: str = Field(min_length=1, max_length=256)
     tags: list[str] = Field(min_length=1, max_length=64)
 
 
-class AssignedTags(_Response):
+class AssignedTags(ApiResponse):
     tags: list[str]
     build_id: str = Field(alias="buildID")
 
 
-class DeleteTagsRequest(_Request):
+class DeleteTagsRequest(ApiRequest):
     name: str = Field(min_length=1, max_length=256)
     tags: list[str] = Field(min_length=1, max_length=64)
 
 
-class TemplateTag(_Response):
+class TemplateTag(ApiResponse):
     tag: str
     build_id: str = Field(alias="buildID")
     created_at: datetime = Field(alias="createdAt")
@@ -71,16 +72,16 @@ async def list_tags(template_id: str, builder: BuilderDep) -> list[TemplateTag]:
     ]
 
 
-class TemplateTagsCount(_Response):
+class TemplateTagsCount(ApiResponse):
     total: int
 
 
-class TemplateTagExists(_Response):
+class TemplateTagExists(ApiResponse):
     exists: bool
     normalized_tag: str = Field(alias="normalizedTag")
 
 
-class TemplateTagAssignment(_Response):
+class TemplateTagAssignment(ApiResponse):
     """One time a tag was pointed at a ready build (E2B spells these ids `Id`)."""
 
     _KEEP_NULL: ClassVar[frozenset[str]] = frozenset({"buildFinishedAt"})
@@ -103,20 +104,20 @@ class TemplateTagAssignment(_Response):
         )
 
 
-class TemplateTagGroup(_Response):
+class TemplateTagGroup(ApiResponse):
     tag: str
     assignments: list[TemplateTagAssignment]
     has_more: bool = Field(alias="hasMore")
 
 
-class TemplateTagGroups(_Response):
+class TemplateTagGroups(ApiResponse):
     _KEEP_NULL: ClassVar[frozenset[str]] = frozenset({"nextCursor"})
 
     tags: list[TemplateTagGroup]
     next_cursor: str | None = Field(alias="nextCursor")
 
 
-class TemplateTagAssignments(_Response):
+class TemplateTagAssignments(ApiResponse):
     _KEEP_NULL: ClassVar[frozenset[str]] = frozenset({"nextCursor"})
 
     data: list[TemplateTagAssignment]

@@ -18,7 +18,8 @@ from aenv.volumes import VolumeFiles, VolumeRecord
 
 from ..auth import require_api_key
 from ..deps import OrchestratorDep, get_orchestrator
-from ..models import ErrorBody, _Request, _Response
+from ..models import ErrorBody
+from ..wire import ApiRequest, ApiResponse
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody} for status in (400, 401, 404, 409, 500)
@@ -32,11 +33,11 @@ CHUNK = 1 << 20
 UINT32 = (1 << 32) - 1
 
 
-class NewVolume(_Request):
+class NewVolume(ApiRequest):
     name: str = Field(min_length=1, max_length=255)
 
 
-class VolumeInfo(_Response):
+class VolumeInfo(ApiResponse):
     volume_id: str = Field(alias="volumeID")
     name: str
 
@@ -53,7 +54,7 @@ class VolumeAndToken(VolumeInfo):
         return cls(volumeID=v.volume_id, name=v.name, token=v.token)
 
 
-class MetadataPatch(_Request):
+class MetadataPatch(ApiRequest):
     uid: int | None = Field(default=None, ge=0, le=UINT32)
     gid: int | None = Field(default=None, ge=0, le=UINT32)
     mode: int | None = Field(default=None, ge=0, le=UINT32)
