@@ -336,6 +336,34 @@ class Api:
                 errors.append(json.dumps(err)[:200])
         return children, errors, t
 
+    async def diff(self, sandbox_id: str, timeout: float | None = None) -> Timed:
+        """`GET /sandboxes/{id}/diff` against its fork point: the list of changes."""
+        path = f"/sandboxes/{quote(sandbox_id, safe='')}/diff"
+        return await self._call("GET", path, what="diff", ok=(200,), feature=True, timeout=timeout)
+
+    async def apply(self, target: str, source: str, timeout: float | None = None) -> Timed:
+        """`POST /sandboxes/{target}/apply {"from": source, "strategy": "theirs"}`."""
+        return await self._call(
+            "POST",
+            f"/sandboxes/{quote(target, safe='')}/apply",
+            what="apply",
+            ok=(200,),
+            json_body={"from": source, "strategy": "theirs"},
+            feature=True,
+            timeout=timeout,
+        )
+
+    async def rollback(self, sandbox_id: str, snapshot_id: str) -> Timed:
+        """`POST /sandboxes/{id}/rollback {"snapshotID": ...}`: back to it, in place."""
+        return await self._call(
+            "POST",
+            f"/sandboxes/{quote(sandbox_id, safe='')}/rollback",
+            what="rollback",
+            ok=(200,),
+            json_body={"snapshotID": snapshot_id},
+            feature=True,
+        )
+
     # -- envd (through the server's proxy) ---------------------------------------------------
 
     def _files_headers(self, sbx: Sbx) -> dict[str, str]:

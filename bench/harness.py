@@ -28,6 +28,7 @@ from .report import REQUIRED
 from .rollouts import ServerRollouts
 from .rollouts_raw import RawRollouts
 from .scenarios import ServerRows
+from .scenarios_forktree import FORKTREE_ROWS
 from .scenarios_lifecycle import RUNNING_ROWS
 from .server import BenchServer, build_base, remove_home
 from .stats import Results
@@ -64,11 +65,14 @@ MAIN_ROWS = [
     "snapshot_dirty_1gib",
     *CMDS_ROWS,
     *FORK_ROWS,
+    *FORKTREE_ROWS,
     *CONCURRENT_ROWS,
     *ROLLOUT_ROWS,
     *POPULATED_ROWS,
 ]
 COLD_ROWS = ["create_to_first_exec_cold", "hibernate", "resume_from_disk"]
+# A row whose target is relative to another row of the run brings that row along.
+IMPLIED = {"rollback": "resume_from_disk"}
 COLD_ENV = {"AENV_NET_POOL_SIZE": "0", "AENV_SANDBOX_POOL_SIZE": "0", "AENV_HIBERNATE_AFTER": "0"}
 CLIENT = (
     "httpx.AsyncClient (HTTP/1.1 keep-alive) speaking the E2B REST shapes and envd's Connect "
@@ -113,7 +117,8 @@ class Run:
             self.phases[name] = round(time.perf_counter() - t0, 1)
 
     def want(self, row: str) -> bool:
-        return self.opts.only is None or row in self.opts.only
+        only = self.opts.only
+        return only is None or row in only or any(IMPLIED.get(r) == row for r in only)
 
     def api(self, url: str, key: str) -> Api:
         api = Api(url, key, op_timeout=self.plan.op_timeout, metadata={"aenv-bench": self.run_id})
@@ -218,6 +223,8 @@ class Run:
             await self.guard(["snapshot_dirty_1gib"], "snapshot_dirty_1gib", sr.dirty_snapshot)
             await self.guard(CMDS_ROWS, "snapshot_after_1000_cmds", sr.cmds_snapshot)
             await self.guard(FORK_ROWS, "fork", sr.fork_rows)
+            await self.guard(FORKTREE_ROWS[:2], "diff/apply", sr.diff_apply_rows)
+            await self.guard(["rollback"], "rollback", sr.rollback_row)
             await self.guard(CONCURRENT_ROWS, "concurrent create", sr.concurrent_rows)
             if any(self.want(r) for r in ROLLOUT_ROWS):
                 url = server.url if server is not None else self.opts.url or ""

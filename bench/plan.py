@@ -17,6 +17,13 @@ class Plan:
     snapshot: int = 15
     dirty: int = 3
     fork_1: int = 10
+    # diff_10_of_1gib / apply_10_of_1gib: samples (each: a fork of a parent holding
+    # `tree_files` files of 1 MiB, the child rewriting `tree_changed`, its snapshot, diff and
+    # apply); rollback: samples (rollbacks to one memory snapshot).
+    forktree: int = 3
+    tree_files: int = 1024
+    tree_changed: int = 10
+    rollback: int = 3
     fork_4: int = 5
     fork_16: int = 3
     concurrent_10_rounds: int = 3
@@ -75,6 +82,8 @@ class Plan:
             snapshot=3,
             dirty=1,
             fork_1=2,
+            forktree=2,
+            rollback=2,
             fork_4=1,
             fork_16=1,
             concurrent_10_rounds=1,

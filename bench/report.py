@@ -18,21 +18,23 @@ from typing import Any
 @dataclass(frozen=True)
 class Target:
     """`stat` of our result must be at most each bound given: `limit` (absolute, in the
-    row's unit), `ratio` times the same stat of the baseline, and the same stat of our row
-    `row` plus `plus` (a target relative to another measurement of the same run)."""
+    row's unit), `ratio` times the same stat of the baseline, and `times` the same stat of
+    our row `row` plus `plus` (a target relative to another measurement of the same run)."""
 
     stat: str = "p50"
     limit: float | None = None
     ratio: float | None = None
     row: str | None = None
     plus: float = 0.0
+    times: float = 1.0
 
     def describe(self, unit: str) -> str:
         parts = []
         if self.ratio is not None:
             parts.append(f"{self.ratio:g}× baseline")
         if self.row is not None:
-            parts.append(f"{self.row} + {self.plus:g} {unit}" if self.plus else self.row)
+            rel = f"{self.times:g}× {self.row}" if self.times != 1.0 else self.row
+            parts.append(f"{rel} + {self.plus:g} {unit}" if self.plus else rel)
         if self.limit is not None:
             if unit == "ms" and self.limit >= 1000:
                 parts.append(f"{self.limit / 1000:g} s")
@@ -55,7 +57,7 @@ class Target:
             ref = _num(other.get(self.stat)) if isinstance(other, dict) else None
             if ref is None:
                 return None
-            out.append(ref + self.plus)
+            out.append(self.times * ref + self.plus)
         if self.limit is not None:
             out.append(self.limit)
         return out or None
@@ -117,6 +119,21 @@ ROWS: tuple[Row, ...] = (
     Row("resume_from_disk", "resume from disk", target=Target("p50", ratio=1.2)),
     Row("snapshot", "snapshot (running)", target=Target("p50", ratio=1.5)),
     Row("snapshot_dirty_1gib", "snapshot after 1 GiB written", target=Target("p50", ratio=1.5)),
+    Row(
+        "diff_10_of_1gib",
+        "diff of a fork child that changed 10 of 1,024 MiB files (vs its snapshot)",
+        target=Target("p50", ratio=1.5),
+    ),
+    Row(
+        "apply_10_of_1gib",
+        "apply those 10 changed files to the parent (vs the child's snapshot)",
+        target=Target("p50", ratio=1.5),
+    ),
+    Row(
+        "rollback",
+        "rollback in place to a memory snapshot",
+        target=Target("p50", row="resume_from_disk", times=1.2),
+    ),
     Row(
         "snapshot_after_1000_cmds",
         "snapshot after 1,000 commands (vs a fresh sandbox's)",

@@ -1,6 +1,7 @@
 """The rows measured through a server's HTTP API (see bench/README.md for each definition):
-`ServerRows` has them all, from `scenarios_lifecycle.py` (one sandbox's operations) and
-`scenarios_scale.py` (many sandboxes at once), on the shared parts in `scenarios_common.py`.
+`ServerRows` has them all, from `scenarios_lifecycle.py` (one sandbox's operations),
+`scenarios_forktree.py` (diff, apply, rollback) and `scenarios_scale.py` (many sandboxes at
+once), on the shared parts in `scenarios_common.py`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from .scenarios_common import (
     sample_loop,
     wait_until,
 )
+from .scenarios_forktree import ForkTreeRows
 from .scenarios_lifecycle import (
     CMDS_MIB_ROW,
     CMDS_ROW,
@@ -45,5 +47,5 @@ __all__ = [
 ]
 
 
-class ServerRows(LifecycleRows, ScaleRows):
+class ServerRows(LifecycleRows, ForkTreeRows, ScaleRows):
     """Every row of one server."""

@@ -162,6 +162,15 @@ def test_targets() -> None:
     assert rel.check({"p50": 40.0}, None, {"spawn_in_sandbox": {"p50": 30.0}}) is True
     assert rel.check({"p50": 41.0}, None, {"spawn_in_sandbox": {"p50": 30.0}}) is False
     assert rel.check({"p50": 41.0}, None, {}) is None
+    # A multiple of another row (plus a constant).
+    times = report.Target("p50", row="resume_from_disk", times=1.2)
+    assert times.check({"p50": 120.0}, None, {"resume_from_disk": {"p50": 100.0}}) is True
+    assert times.check({"p50": 121.0}, None, {"resume_from_disk": {"p50": 100.0}}) is False
+    assert times.check({"p50": 100.0}, None, {}) is None  # not judged without that row
+    assert times.describe("ms") == "p50 ≤ 1.2× resume_from_disk"
+    both_rel = report.Target("p50", row="resume_from_disk", times=2, plus=5)
+    assert both_rel.bound(None, {"resume_from_disk": {"p50": 10.0}}) == 25.0
+    assert both_rel.describe("ms") == "p50 ≤ 2× resume_from_disk + 5 ms"
     both = report.Target("p50", 3000, ratio=1.0)
     assert both.check({"p50": 2500.0}, {"p50": 2600.0}) is True
     assert both.check({"p50": 2700.0}, {"p50": 2600.0}) is False  # over the baseline
