@@ -103,3 +103,18 @@ def test_the_tar_holds_the_new_files(tmp_path: Path) -> None:
         f = tar.extractfile("work/main.py")
         assert f is not None and f.read() == b"print('hi')\nx = 2\n"
         assert tar.getmember("work/notes.txt").mode == 0o600
+
+
+def test_same_size_and_time_is_the_same_file_without_reading_it(tmp_path: Path) -> None:
+    """A copy that kept size and mtime (a snapshot's copy of an upper) is not read; the same
+    size with another time is compared by content."""
+    base, upper = tmp_path / "base", tmp_path / "upper"
+    put(base, "a.bin", "x" * 100)
+    put(upper, "a.bin", "y" * 100)
+    st = (base / "a.bin").stat()
+    os.utime(upper / "a.bin", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert diff_stacks([upper, base], [base]) == []
+    os.utime(upper / "a.bin", ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert [c.path for c in diff_stacks([upper, base], [base])] == ["/a.bin"]
+    (upper / "a.bin").write_text("x" * 100)  # another time, same bytes: unchanged
+    assert diff_stacks([upper, base], [base]) == []

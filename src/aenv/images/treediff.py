@@ -134,7 +134,12 @@ def differ(a: tuple[Path, os.stat_result], b: tuple[Path, os.stat_result]) -> bo
         return False
     kind = _type(sa)
     if kind == "file":
-        return sa.st_size != sb.st_size or not _same_content(pa, pb)
+        if sa.st_size != sb.st_size:
+            return True
+        # git's and rsync's quick check: the same size and modification time (to the
+        # nanosecond) is the same file — a snapshot's copy of an upper keeps both, so the
+        # parent of a fork is not read whole to find what it changed since.
+        return sa.st_mtime_ns != sb.st_mtime_ns and not _same_content(pa, pb)
     if kind == "symlink":
         return os.readlink(pa) != os.readlink(pb)
     if kind == "other":
