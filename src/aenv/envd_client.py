@@ -465,6 +465,35 @@ class EnvdClient:
         killed = body.get("killed") if isinstance(body, dict) else None
         return killed if isinstance(killed, dict) else None
 
+    async def unpack(self, tar: IO[bytes]) -> bool:
+        """`POST /tree`: envd deletes what the tar's first member lists and unpacks the rest
+        at / (`envd/unpack.py`); False for an envd from before the route (404)."""
+        resp = await self._send(
+            self._request(
+                "POST",
+                "tree",
+                headers=self._headers(None, {"Content-Type": "application/x-tar"}),
+                content=_chunks(tar),
+                timeout=httpx.Timeout(self.timeout, write=None, read=_FILE_READ),
+            )
+        )
+        if resp.status_code == 404:
+            return False
+        if resp.status_code >= 300:
+            raise EnvdError.answer(resp, "tree")
+        return True
+
+    async def sync(self) -> bool:
+        """Has envd flush what the sandbox wrote to its files (`POST /sync`); False for an
+        envd from before the route (404): the caller runs `sync` instead."""
+        try:
+            await self._json("POST", "sync", timeout=60.0)
+        except EnvdError as e:
+            if e.http_status == 404:
+                return False
+            raise
+        return True
+
     async def forward(self, port: int) -> bool:
         """Asks envd to make loopback-only `port` reachable (`envd/portfwd.py`); whether it
         now is. An envd from before on-demand forwarding (404) polls on its own: False."""
@@ -495,3 +524,9 @@ def _json_or_none(payload: bytes) -> Any:
         return json.loads(payload)
     except ValueError:
         return None
+
+
+async def _chunks(f: IO[bytes], size: int = 1 << 20) -> AsyncIterator[bytes]:
+    """A file's bytes for an async request body, read off the event loop."""
+    while chunk := await asyncio.to_thread(f.read, size):
+        yield chunk

@@ -118,3 +118,24 @@ def test_same_size_and_time_is_the_same_file_without_reading_it(tmp_path: Path) 
     assert [c.path for c in diff_stacks([upper, base], [base])] == ["/a.bin"]
     (upper / "a.bin").write_text("x" * 100)  # another time, same bytes: unchanged
     assert diff_stacks([upper, base], [base]) == []
+
+
+def test_envd_unpacks_the_tar_with_its_deletions(tmp_path: Path) -> None:
+    """The apply's tar as envd's `/tree` takes it: the deleted paths removed first (a
+    directory with all it held), then the files with their modes."""
+    from aenv.envd.unpack import DELETE_MEMBER, unpack_file
+
+    child, point = stacks(tmp_path)
+    target = tmp_path / "target"
+    put(target, "work/main.py", "print('hi')\nx = 1\n")
+    put(target, "work/old.txt", "old\n")
+    put(target, "usr/lib/big/a.py", "a\n")
+    buf = io.BytesIO()
+    write_tar(diff_stacks(child, point, DEFAULT_EXCLUDE), buf, DELETE_MEMBER)
+    buf.seek(0)
+    assert unpack_file(buf, str(target)) == {"deleted": 4, "extracted": 3}
+    assert (target / "work/main.py").read_text() == "print('hi')\nx = 2\n"
+    assert (target / "work/new.txt").read_text() == "new\n"
+    assert not (target / "work/old.txt").exists() and not (target / "usr/lib/big").exists()
+    assert not (target / ".aenv-apply").exists()
+    assert (target / "work/notes.txt").stat().st_mode & 0o777 == 0o600

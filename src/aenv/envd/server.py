@@ -176,6 +176,29 @@ class App:
 
             await resp.send_json(200, await collect())
             return
+        if path == "/sync":
+            # What the sandbox wrote, flushed to its files on the host (before the node
+            # reads them: a diff, an apply) without a process spawn.
+            if m != "POST":
+                raise HTTPError(405, "method not allowed")
+            self.http_auth(req)
+            await asyncio.to_thread(os.sync)
+            await resp.send_json(200, {"synced": True})
+            return
+        if path == "/tree":
+            if m != "POST":
+                raise HTTPError(405, "method not allowed")
+            self.http_auth(req)
+            import tarfile
+
+            from .unpack import unpack
+
+            try:
+                unpacked = await unpack(req.body)
+            except (OSError, ValueError, tarfile.TarError) as e:
+                raise HTTPError(400, f"could not apply the files: {e}") from None
+            await resp.send_json(200, unpacked)
+            return
         if path == "/oom":
             if m != "POST":
                 raise HTTPError(405, "method not allowed")

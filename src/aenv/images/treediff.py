@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import io
+import json
 import os
 import stat
 import tarfile
@@ -251,12 +253,19 @@ def unified(changes: Iterable[Change]) -> Iterator[str]:
 # -- the changes as a tar ---------------------------------------------------------------
 
 
-def write_tar(changes: Iterable[Change], out: BinaryIO) -> int:
+def write_tar(changes: Iterable[Change], out: BinaryIO, delete_member: str | None = None) -> int:
     """Added and changed entries (files, dirs, symlinks) into a tar at `out`, with their
     modes and owners, paths relative to /; returns how many. Deletions have no form in a
-    tar: they are in the list."""
+    tar: they are in the list, or (`delete_member`) a first member of that name holding
+    the deleted paths as JSON, for an unpacker that knows it (envd's `/tree`)."""
+    changes = list(changes)
     n = 0
     with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        if delete_member is not None:
+            doc = json.dumps([c.path for c in changes if c.change == "deleted"]).encode()
+            info = tarfile.TarInfo(delete_member)
+            info.size = len(doc)
+            tar.addfile(info, io.BytesIO(doc))
         for c in changes:
             if c.new is None or c.type == "other":
                 continue
@@ -265,11 +274,11 @@ def write_tar(changes: Iterable[Change], out: BinaryIO) -> int:
     return n
 
 
-def tar_file(changes: Iterable[Change]) -> IO[bytes]:
+def tar_file(changes: Iterable[Change], delete_member: str | None = None) -> IO[bytes]:
     """`write_tar` into an anonymous temporary file, rewound for reading (blocking)."""
     f = tempfile.TemporaryFile()  # noqa: SIM115 (the caller closes it)
     try:
-        write_tar(changes, f)
+        write_tar(changes, f, delete_member)
         f.seek(0)
     except BaseException:
         f.close()

@@ -18,7 +18,8 @@ from typing import Literal
 
 import httpx
 
-from ..domain import SandboxRecord, SandboxState
+from ..domain import SandboxRecord, SandboxState, Timings
+from ..envd.unpack import DELETE_MEMBER
 from ..errors import AenvError, BadRequest, Conflict, NotFound, PathConflict
 from ..images.overlay import lookup
 from ..images.treediff import Change, diff_stacks, differ, tar_file
@@ -82,7 +83,8 @@ class TreeDiffs:
         assert r.address is not None
         envd = self.envd.at(r.address, r.envd_access_token)
         try:
-            await envd.run("/bin/sync", [], user="root", timeout=60)
+            if not await envd.sync():
+                await envd.run("/bin/sync", [], user="root", timeout=60)
         except (AenvError, httpx.HTTPError) as e:
             log.warning("sync in %s before a diff: %s", r.sandbox_id, e)
 
@@ -106,14 +108,19 @@ class TreeDiffs:
 
     # -- diff ---------------------------------------------------------------------------
 
-    async def diff(self, sandbox_id: str, base: str | None, exclude: Sequence[str]) -> list[Change]:
+    async def diff(
+        self, sandbox_id: str, base: str | None, exclude: Sequence[str], t: Timings | None = None
+    ) -> list[Change]:
         """What the sandbox changed relative to `base` (default its fork point)."""
+        t = t or Timings()
         await self.ctx.wake(sandbox_id)
         async with self.table.lock(sandbox_id):
             r = self.table.get(sandbox_id)
-            new = await self._files(r)
-            old = await self._base(r, base)
-            return await asyncio.to_thread(diff_stacks, new, old, exclude)
+            with t.stage("sync"):
+                new = await self._files(r)
+                old = await self._base(r, base)
+            with t.stage("diff"):
+                return await asyncio.to_thread(diff_stacks, new, old, exclude)
 
     # -- apply --------------------------------------------------------------------------
 
@@ -125,12 +132,14 @@ class TreeDiffs:
         paths: Sequence[str],
         exclude: Sequence[str],
         strategy: Strategy | None,
+        t: Timings | None = None,
     ) -> Applied:
         """The source's changes since `base` (default the source's fork point) written into
         the running target; paths both changed since then are refused (409, listed) unless
         a strategy says whose to keep."""
         if target_id == source_id:
             raise BadRequest("a sandbox cannot apply its own changes")
+        t = t or Timings()
         await self.ctx.wake(target_id)
         await self.ctx.wake(source_id)
         async with self.table.lock(target_id):
@@ -138,18 +147,21 @@ class TreeDiffs:
             if target.state is not SandboxState.RUNNING or target.address is None:
                 raise Conflict(f"sandbox {target_id!r} must be running to take changes")
             source = self.table.get(source_id)
-            src_files = await self._files(source)
-            old = await self._base(source, base)
-            dst_files = await self._files(target)
-            theirs, ours = await asyncio.gather(
-                asyncio.to_thread(diff_stacks, src_files, old, exclude),
-                asyncio.to_thread(diff_stacks, dst_files, old, exclude),
-            )
-            if paths:
-                theirs = [c for c in theirs if _within(c.path, paths)]
-            conflicts = await asyncio.to_thread(
-                _conflicts, theirs, {c.path for c in ours}, src_files, dst_files
-            )
+            with t.stage("sync"):
+                src_files, dst_files = await asyncio.gather(
+                    self._files(source), self._files(target)
+                )
+                old = await self._base(source, base)
+            with t.stage("diff"):
+                theirs, ours = await asyncio.gather(
+                    asyncio.to_thread(diff_stacks, src_files, old, exclude),
+                    asyncio.to_thread(diff_stacks, dst_files, old, exclude),
+                )
+                if paths:
+                    theirs = [c for c in theirs if _within(c.path, paths)]
+                conflicts = await asyncio.to_thread(
+                    _conflicts, theirs, {c.path for c in ours}, src_files, dst_files
+                )
             if conflicts and strategy is None:
                 raise PathConflict(
                     f"{len(conflicts)} path(s) changed in both {source_id!r} and {target_id!r} "
@@ -158,13 +170,18 @@ class TreeDiffs:
                 )
             skip = set(conflicts) if strategy == "ours" else set()
             take = [c for c in theirs if c.path not in skip]
-            await self._write(target, take)
+            with t.stage("write"):
+                await self._write(target, take)
             return Applied(take, conflicts)
 
     async def _write(self, target: SandboxRecord, changes: list[Change]) -> None:
-        """Deletions, then the added and changed entries as one tar unpacked by root."""
+        """Deletions, then the added and changed entries, as one tar envd unpacks as root
+        (`envd/unpack.py`); an older envd gets the tar as a file and `tar` unpacks it."""
         assert target.address is not None
         envd = self.envd.at(target.address, target.envd_access_token)
+        with await asyncio.to_thread(tar_file, changes, DELETE_MEMBER) as tar:
+            if await envd.unpack(tar):
+                return
         gone = [c.path for c in changes if c.change == "deleted"]
         put = [c for c in changes if c.change != "deleted"]
         script = []

@@ -9,9 +9,10 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import IO, Annotated, Literal
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Response
 from fastapi.responses import StreamingResponse
 
+from aenv.domain import Timings
 from aenv.images.treediff import DEFAULT_EXCLUDE, Change, tar_file, unified
 
 from ..auth import require_api_key
@@ -24,6 +25,7 @@ from ..tree_models import (
     RollbackRequest,
     RollbackResult,
 )
+from .sandboxes import SERVER_TIMING_HEADER, add_timing
 
 router = APIRouter(
     tags=["sandboxes"], dependencies=[Depends(require_api_key)], responses=LIFECYCLE_ERRORS
@@ -43,6 +45,7 @@ def _excludes(exclude: list[str], defaults: bool) -> list[str]:
 )
 async def get_diff(
     sandbox_id: str,
+    response: Response,
     orchestrator: OrchestratorDep,
     base: Annotated[
         str | None, Query(description="fork-point (default), a snapshot or sandbox id")
@@ -51,16 +54,26 @@ async def get_diff(
     default_excludes: Annotated[bool, Query(alias="defaultExcludes")] = True,
     format: Annotated[Literal["json", "patch", "tar"], Query()] = "json",
 ) -> object:
-    changes = await orchestrator.diffs.diff(sandbox_id, base, _excludes(exclude, default_excludes))
+    timings = Timings()
+    changes = await orchestrator.diffs.diff(
+        sandbox_id, base, _excludes(exclude, default_excludes), timings
+    )
+    headers = {SERVER_TIMING_HEADER: timings.header()} if timings.header() else {}
     if format == "patch":
-        return StreamingResponse(_patch(changes), media_type="text/x-diff; charset=utf-8")
+        return StreamingResponse(
+            _patch(changes), media_type="text/x-diff; charset=utf-8", headers=headers
+        )
     if format == "tar":
         tar = await asyncio.to_thread(tar_file, changes)
         return StreamingResponse(
             _stream(tar),
             media_type="application/x-tar",
-            headers={"Content-Disposition": f'attachment; filename="{sandbox_id}.tar"'},
+            headers={
+                **headers,
+                "Content-Disposition": f'attachment; filename="{sandbox_id}.tar"',
+            },
         )
+    response.headers.update(headers)
     return [ChangeInfo.of(c) for c in changes]
 
 
@@ -68,8 +81,9 @@ async def get_diff(
     "/sandboxes/{sandbox_id}/apply", summary="Take another sandbox's changes into this one"
 )
 async def post_apply(
-    sandbox_id: str, body: ApplyRequest, orchestrator: OrchestratorDep
+    sandbox_id: str, body: ApplyRequest, response: Response, orchestrator: OrchestratorDep
 ) -> ApplyResult:
+    timings = Timings()
     done = await orchestrator.diffs.apply(
         sandbox_id,
         body.source,
@@ -77,7 +91,9 @@ async def post_apply(
         body.paths,
         _excludes(body.exclude, body.default_excludes),
         body.strategy,
+        timings,
     )
+    add_timing(response, timings)
     return ApplyResult(applied=[ChangeInfo.of(c) for c in done.changes], conflicts=done.conflicts)
 
 
@@ -85,9 +101,11 @@ async def post_apply(
     "/sandboxes/{sandbox_id}/rollback", summary="Bring a sandbox back to one of its snapshots"
 )
 async def post_rollback(
-    sandbox_id: str, body: RollbackRequest, orchestrator: OrchestratorDep
+    sandbox_id: str, body: RollbackRequest, response: Response, orchestrator: OrchestratorDep
 ) -> RollbackResult:
-    await orchestrator.rollbacks.rollback(sandbox_id, body.snapshot_id)
+    timings = Timings()
+    await orchestrator.rollbacks.rollback(sandbox_id, body.snapshot_id, timings)
+    add_timing(response, timings)
     return RollbackResult(sandboxID=sandbox_id, snapshotID=body.snapshot_id)
 
 
