@@ -4,11 +4,13 @@ answering); a sandbox whose runtime dies is reported and its resources released.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -34,6 +36,18 @@ HOG = (
 )
 
 
+@contextlib.contextmanager
+def memory_log_on_failure(server: Server) -> Iterator[None]:
+    """On failure, the node's lines about memory go into the report: what it saw and did."""
+    try:
+        yield
+    except Exception:
+        assert server.log_path is not None
+        lines = server.log_path.read_text(errors="replace").splitlines()
+        print("\n".join(ln for ln in lines if re.search(r"memory|OOM|oom|lost|died", ln))[-8000:])
+        raise
+
+
 def still_answer(server: Server, *sbxs: Sandbox) -> None:
     with server.client() as c:
         assert c.get("/health").is_success
@@ -45,7 +59,8 @@ def test_a_memory_hog_dies_alone(server: Server, sandboxes: list[object]) -> Non
     hog = Sandbox.create(template="base", timeout=180)
     neighbour = Sandbox.create(template="base", timeout=180)
     sandboxes += [hog, neighbour]
-    r = hog.commands.run(f"{HOG}; echo exit=$?", timeout=120)
+    with memory_log_on_failure(server):
+        r = hog.commands.run(f"{HOG}; echo exit=$?", timeout=120)
     # The allocation fails inside the sandbox (MemoryError, or the process is killed).
     code = int(re.findall(r"exit=(\d+)", r.stdout)[-1])
     assert code != 0
@@ -202,11 +217,13 @@ def test_a_process_past_the_sandbox_memory_is_killed_inside(
     s = Sandbox.create(template="base", timeout=300)
     sandboxes.append(s)
     keeper = s.commands.run("sleep 600", background=True)
-    r = s.commands.run(f"{HUGE}; echo exit=$?", timeout=120)
+    with memory_log_on_failure(server):
+        r = s.commands.run(f"{HUGE}; echo exit=$?", timeout=120)
     assert int(re.findall(r"exit=(\d+)", r.stdout)[-1]) != 0
     assert str(6 << 30) not in r.stdout
     still_answer(server, s)
-    r = s.commands.run(f"{MANY}; echo exit=$?", timeout=120)
+    with memory_log_on_failure(server):
+        r = s.commands.run(f"{MANY}; echo exit=$?", timeout=120)
     assert "done" in r.stdout
     still_answer(server, s)
     # /dev/shm is a small tmpfs: a fill is refused there (ENOSPC), nothing is killed.

@@ -42,6 +42,8 @@ log = logging.getLogger("aenv.runtime")
 
 MIB = 1 << 20
 MIN_HEADROOM = 128 * MIB
+# Tried: 12 rescues of 32 MiB (the same room, twice the time) lost the sandbox more often
+# (its connections reset while it waited longer at its limit) than 6 of 64 MiB.
 RESCUE_BYTES = 64 * MIB
 RESCUES = 6
 RESCUE_GAP = 1.0
@@ -173,6 +175,9 @@ class MemoryGuard:
             g.last_rescue = time.monotonic()
             g.limit += RESCUE_BYTES
             _raise_limit(g.dir, g.limit)
+            log.info(
+                "sandbox container %s out of memory: rescue %d of %d", g.cid, g.rescues, RESCUES
+            )
         except OSError as e:
             log.warning("memory guard of %s: %s", g.cid, e)
             return
