@@ -51,6 +51,8 @@ __all__ = [
 # Asked of envd on every stream: a shell that prints nothing for minutes is still alive, and
 # proxies in between do not cut an idle connection.
 _KEEPALIVE = {"Keepalive-Ping-Interval": "50"}
+# `_json`'s markers: no answer for a missing route was given; the route was missing.
+_REQUIRED, _MISSING = object(), object()
 
 
 class EnvdError(RuntimeFailure):
@@ -485,29 +487,22 @@ class EnvdClient:
 
     async def sync(self) -> bool:
         """Has envd flush what the sandbox wrote to its files (`POST /sync`); False for an
-        envd from before the route (404): the caller runs `sync` instead."""
-        try:
-            await self._json("POST", "sync", timeout=60.0)
-        except EnvdError as e:
-            if e.http_status == 404:
-                return False
-            raise
-        return True
+        envd from before the route: the caller runs `sync` instead."""
+        return await self._json("POST", "sync", missing=_MISSING, timeout=60.0) is not _MISSING
 
     async def forward(self, port: int) -> bool:
         """Asks envd to make loopback-only `port` reachable (`envd/portfwd.py`); whether it
-        now is. An envd from before on-demand forwarding (404) polls on its own: False."""
-        try:
-            body = await self._json("POST", "forward", params={"port": str(port)}, timeout=2.0)
-        except EnvdError as e:
-            if e.http_status == 404:
-                return False
-            raise
+        now is. An envd from before on-demand forwarding polls on its own: False."""
+        params = {"port": str(port)}
+        body = await self._json("POST", "forward", missing=None, params=params, timeout=2.0)
         return isinstance(body, dict) and bool(body.get("forwarded"))
 
-    async def _json(self, method: str, path: str, **kw: Any) -> Any:
-        """A call to one of envd's plain routes; its JSON answer (None for an empty one)."""
+    async def _json(self, method: str, path: str, missing: Any = _REQUIRED, **kw: Any) -> Any:
+        """A call to one of envd's plain routes; its JSON answer (None for an empty one), or
+        `missing` when given and envd is from before the route (404)."""
         resp = await self._send(self._request(method, path, headers=self._headers(), **kw))
+        if resp.status_code == 404 and missing is not _REQUIRED:
+            return missing
         if resp.status_code >= 300:
             raise EnvdError.answer(resp, f"envd /{path}")
         return _json_or_none(resp.content)
