@@ -20,10 +20,10 @@ class Plan:
     # diff_10_of_1gib / apply_10_of_1gib: samples (each: a fork of a parent holding
     # `tree_files` files of 1 MiB, the child rewriting `tree_changed`, its snapshot, diff and
     # apply); rollback: samples (rollbacks to one memory snapshot).
-    forktree: int = 3
+    forktree: int = 5
     tree_files: int = 1024
     tree_changed: int = 10
-    rollback: int = 3
+    rollback: int = 5
     fork_4: int = 5
     fork_16: int = 3
     concurrent_10_rounds: int = 3

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from . import hostproc
 from .client import Abort, Api, BenchError, Missing, Sbx
+from .idle_cpu import busy_millicores
 from .plan import Plan, Progress
 from .stats import Results
 
@@ -25,6 +26,9 @@ SETTLE_TIMEOUT = 20.0
 PROBE_ID = "aenv-bench-no-such-sandbox"
 # Seconds between two warm-pool creates: the pool (2 by default) refills in the meantime.
 POOL_REFILL_WAIT = 1.5
+# The machine's busy CPU (millicores) below which `settle` calls it quiet: an idle node with
+# a few idle sandboxes is well under it, a publish or a boot well over.
+QUIET_MC = 200.0
 
 SampleFn = Callable[[int], Awaitable[tuple[float, dict[str, float]] | None]]
 
@@ -116,6 +120,17 @@ class RowsBase:
         self._bg: set[asyncio.Task[None]] = set()
 
     # -- helpers ------------------------------------------------------------------------------
+
+    async def settle(self, below_mc: float = QUIET_MC, within: float = 30.0) -> None:
+        """Waits (untimed) until the machine is quiet again: what a row's own set-up left
+        running in the background (a snapshot's publish to the repository, a pool refill)
+        is not charged to the next sample. Only for a server on this host."""
+        if not self.local:
+            return
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if await busy_millicores(0.5) < below_mc:
+                return
 
     async def create_and_exec(
         self, memory_mb: int | None = None

@@ -106,6 +106,7 @@ class ForkTreeRows(RowsBase):
             await self.api.run(child, tree_command(p.tree_changed), timeout=120)
             snap, base = await self.api.snapshot(child.sandbox_id, timeout=DIRTY_TIMEOUT)
             await self._delete_snapshot(rows[0], snap)
+            await self.settle()
             for row in rows:
                 self.results.add(row, base.ms, base.stages, baseline=True)
             if DIFF_ROW in rows:
@@ -150,6 +151,8 @@ class ForkTreeRows(RowsBase):
 
             async def one(i: int, snap: str = snap) -> tuple[float, dict[str, float]]:
                 await self.api.run(sbx, f"echo {i} > {ROLLBACK_MARK}")
+                # The snapshot's publish, the last sample's old container: not this one's.
+                await self.settle()
                 t = await self.api.rollback(sbx.sandbox_id, snap)
                 # It answers again, and what was written after the snapshot is gone (untimed).
                 await self.api.run(sbx, f"test ! -e {ROLLBACK_MARK}")

@@ -14,7 +14,7 @@ import contextlib
 import json
 import ssl
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import IO, Any
@@ -467,7 +467,7 @@ class EnvdClient:
         killed = body.get("killed") if isinstance(body, dict) else None
         return killed if isinstance(killed, dict) else None
 
-    async def unpack(self, tar: IO[bytes]) -> bool:
+    async def unpack(self, tar: AsyncIterable[bytes]) -> bool:
         """`POST /tree`: envd deletes what the tar's first member lists and unpacks the rest
         at / (`envd/unpack.py`); False for an envd from before the route (404)."""
         resp = await self._send(
@@ -475,7 +475,7 @@ class EnvdClient:
                 "POST",
                 "tree",
                 headers=self._headers(None, {"Content-Type": "application/x-tar"}),
-                content=_chunks(tar),
+                content=tar,
                 timeout=httpx.Timeout(self.timeout, write=None, read=_FILE_READ),
             )
         )

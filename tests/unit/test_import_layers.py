@@ -50,6 +50,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "fsutil",
         "logctx",
         "background",
+        "threadstream",
         "crashpoint",
         PACKAGE,
     ),

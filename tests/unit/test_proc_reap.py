@@ -4,6 +4,7 @@ else is: a child still running, or one with another name, is left alone."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -52,5 +53,28 @@ def test_an_exited_runsc_child_is_reaped_and_others_are_not(tmp_path: Path) -> N
     finally:
         os.kill(alive, 9)
         for pid in (foreign, alive, dead):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
+def test_wait_exited_wakes_when_a_runsc_child_exits_and_reaps_it(tmp_path: Path) -> None:
+    sleep = shutil.which("sleep")
+    assert sleep
+    exe = tmp_path / _proc.RUNSC_COMM
+    exe.symlink_to(sleep)
+    short, long = spawn(exe, "0.3"), spawn(exe, "30")
+    try:
+        t0 = time.monotonic()
+        assert asyncio.run(_proc.wait_exited([short], 10.0))
+        # Woken by the exit itself, not at the end of the time limit.
+        assert time.monotonic() - t0 < 5.0
+        assert state(short) is None  # reaped
+        t0 = time.monotonic()
+        assert not asyncio.run(_proc.wait_exited([long, short], 0.3))
+        assert 0.25 <= time.monotonic() - t0 < 5.0
+        assert state(long) not in (None, "Z", "X")
+    finally:
+        os.kill(long, 9)
+        for pid in (short, long):
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)

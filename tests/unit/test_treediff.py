@@ -3,14 +3,23 @@ its base, as a list, a unified diff that `git apply` takes, and a tar of the new
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import subprocess
 import tarfile
 from pathlib import Path
 
+import pytest
+
 from aenv.images.overlay import OPAQUE
-from aenv.images.treediff import DEFAULT_EXCLUDE, diff_stacks, unified, write_tar
+from aenv.images.treediff import (
+    DEFAULT_EXCLUDE,
+    changed_among,
+    diff_stacks,
+    unified,
+    write_tar,
+)
 
 
 def put(layer: Path, rel: str, text: str = "", mode: int = 0o644) -> None:
@@ -120,6 +129,16 @@ def test_same_size_and_time_is_the_same_file_without_reading_it(tmp_path: Path) 
     assert diff_stacks([upper, base], [base]) == []
 
 
+def test_paths_checked_one_by_one_agree_with_the_whole_diff(tmp_path: Path) -> None:
+    """An apply's conflict check looks up only the source's paths in the target: for each
+    of them it says what the whole diff says, unchanged paths and unknown ones included."""
+    child, point = stacks(tmp_path)
+    whole = {c.path for c in diff_stacks(child, point)}
+    asked = [*whole, "/etc/os-release", "/work/nowhere.txt", "/usr/lib"]
+    assert changed_among(child, point, asked) == whole
+    assert changed_among(child, point, ["/etc/os-release", "/work/nowhere.txt"]) == set()
+
+
 def test_envd_unpacks_the_tar_with_its_deletions(tmp_path: Path) -> None:
     """The apply's tar as envd's `/tree` takes it: the deleted paths removed first (a
     directory with all it held), then the files with their modes."""
@@ -139,3 +158,37 @@ def test_envd_unpacks_the_tar_with_its_deletions(tmp_path: Path) -> None:
     assert not (target / "work/old.txt").exists() and not (target / "usr/lib/big").exists()
     assert not (target / ".aenv-apply").exists()
     assert (target / "work/notes.txt").stat().st_mode & 0o777 == 0o600
+
+
+class _Body:
+    """A request body as envd's server hands it over: `await read(n)`, here in odd pieces."""
+
+    def __init__(self, data: bytes, piece: int) -> None:
+        self.data, self.piece = data, piece
+
+    async def read(self, n: int) -> bytes:
+        out, self.data = self.data[: min(n, self.piece)], self.data[min(n, self.piece) :]
+        return out
+
+
+def test_envd_unpacks_a_body_as_it_arrives_and_a_broken_one_fails(tmp_path: Path) -> None:
+    """`/tree`'s body unpacked while it streams in (pieces smaller than a tar block, many
+    of them): every file arrives whole; a body that is not a tar fails, without hanging."""
+    from aenv.envd.unpack import unpack
+
+    files = {f"d/f{i}": os.urandom(100_000 + i) for i in range(40)}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    target = tmp_path / "target"
+    target.mkdir()
+    got = asyncio.run(asyncio.wait_for(unpack(_Body(buf.getvalue(), 1000), str(target)), 60))
+    assert got == {"deleted": 0, "extracted": 40}
+    assert all((target / n).read_bytes() == d for n, d in files.items())
+    bad = _Body(b"not a tar at all" * 100_000, 4096)
+    with pytest.raises(tarfile.TarError):
+        asyncio.run(asyncio.wait_for(unpack(bad, str(target)), 60))
+    assert bad.data == b""  # read to its end all the same

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from . import identity
 from .envrules import env_problem
-from .httpserver import HTTPError, Request, Response, log, serve_connection
+from .httpserver import READ_SIZE, HTTPError, Request, Response, log, serve_connection
 from .rpc import Method, RPCError, dispatch
 from .state import State, User
 
@@ -317,7 +317,11 @@ async def serve(host: str, port: int, state: State | None = None) -> None:
     async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await serve_connection(reader, writer, app.handle)
 
-    server = await asyncio.start_server(on_conn, host, port, reuse_address=True, backlog=1024)
+    # A reader's buffer may hold 2 × `limit` before the socket is paused: the default
+    # (64 KiB) made an upload a hundred event-loop turns per 10 MiB.
+    server = await asyncio.start_server(
+        on_conn, host, port, reuse_address=True, backlog=1024, limit=READ_SIZE
+    )
     log(f"listening on {host}:{port}")
     sudo = None
     if os.geteuid() == 0:  # the service behind the sandbox's sudo (see sudo_service)

@@ -156,6 +156,24 @@ def _shared_bottom(a: list[Path], b: list[Path]) -> int:
     return n
 
 
+Found = tuple[Path, os.stat_result] | None
+
+
+def _compare(now: Found, was: Found) -> ChangeKind | None:
+    if was is None:
+        return None if now is None else "added"
+    if now is None:
+        return "deleted"
+    return "changed" if differ(now, was) else None
+
+
+def changed_among(new: list[Path], old: list[Path], paths: Iterable[str]) -> set[str]:
+    """Which of `paths` (absolute) differ between the stacks, each looked up on its own: what
+    `diff_stacks` would say of them, at a cost bounded by how many they are (an apply's
+    conflict check, however much the target changed elsewhere)."""
+    return {p for p in paths if _compare(lookup(new, p.lstrip("/")), lookup(old, p.lstrip("/")))}
+
+
 def diff_stacks(new: list[Path], old: list[Path], exclude: Sequence[str] = ()) -> list[Change]:
     """What `new` changed relative to `old` (both stacks topmost first), by path."""
     shared = _shared_bottom(new, old)
@@ -166,16 +184,8 @@ def diff_stacks(new: list[Path], old: list[Path], exclude: Sequence[str] = ()) -
         if skip(rel):
             continue
         now, was = lookup(new, rel), lookup(old, rel)
-        if now is None and was is None:
-            continue
-        if was is None:
-            assert now is not None
-            kind: ChangeKind = "added"
-        elif now is None:
-            kind = "deleted"
-        elif differ(now, was):
-            kind = "changed"
-        else:
+        kind = _compare(now, was)
+        if kind is None:
             continue
         path, st = now if now is not None else was  # type: ignore[misc]
         changes.append(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fnmatch
+import functools
 import logging
 import secrets
 import shlex
@@ -22,7 +23,15 @@ from ..domain import SandboxRecord, SandboxState, Timings
 from ..envd.unpack import DELETE_MEMBER
 from ..errors import AenvError, BadRequest, Conflict, NotFound, PathConflict
 from ..images.overlay import lookup
-from ..images.treediff import Change, diff_stacks, differ, tar_file
+from ..images.treediff import (
+    Change,
+    changed_among,
+    diff_stacks,
+    differ,
+    tar_file,
+    write_tar,
+)
+from ..threadstream import produced
 from .context import NodeContext
 from .envd_pool import EnvdPool
 from .storage import SandboxStorage
@@ -153,15 +162,12 @@ class TreeDiffs:
                 )
                 old = await self._base(source, base)
             with t.stage("diff"):
-                theirs, ours = await asyncio.gather(
-                    asyncio.to_thread(diff_stacks, src_files, old, exclude),
-                    asyncio.to_thread(diff_stacks, dst_files, old, exclude),
-                )
+                theirs = await asyncio.to_thread(diff_stacks, src_files, old, exclude)
                 if paths:
                     theirs = [c for c in theirs if _within(c.path, paths)]
-                conflicts = await asyncio.to_thread(
-                    _conflicts, theirs, {c.path for c in ours}, src_files, dst_files
-                )
+                # Only the paths the source changed are looked at in the target: the cost
+                # is the source's change, not what the target changed elsewhere.
+                conflicts = await asyncio.to_thread(_conflicts, theirs, old, src_files, dst_files)
             if conflicts and strategy is None:
                 raise PathConflict(
                     f"{len(conflicts)} path(s) changed in both {source_id!r} and {target_id!r} "
@@ -176,12 +182,13 @@ class TreeDiffs:
 
     async def _write(self, target: SandboxRecord, changes: list[Change]) -> None:
         """Deletions, then the added and changed entries, as one tar envd unpacks as root
-        (`envd/unpack.py`); an older envd gets the tar as a file and `tar` unpacks it."""
+        (`envd/unpack.py`), sent as it is written; an older envd gets the tar as a file and
+        `tar` unpacks it."""
         assert target.address is not None
         envd = self.envd.at(target.address, target.envd_access_token)
-        with await asyncio.to_thread(tar_file, changes, DELETE_MEMBER) as tar:
-            if await envd.unpack(tar):
-                return
+        body = produced(functools.partial(write_tar, changes, delete_member=DELETE_MEMBER))
+        if await envd.unpack(body):
+            return
         gone = [c.path for c in changes if c.change == "deleted"]
         put = [c for c in changes if c.change != "deleted"]
         script = []
@@ -199,8 +206,11 @@ class TreeDiffs:
             raise AenvError(f"applying the changes failed in the sandbox: {end.status}")
 
 
-def _conflicts(theirs: list[Change], ours: set[str], src: list[Path], dst: list[Path]) -> list[str]:
-    """Paths both changed, but not to the same thing."""
+def _conflicts(
+    theirs: list[Change], base: list[Path], src: list[Path], dst: list[Path]
+) -> list[str]:
+    """Paths both changed since `base`, but not to the same thing."""
+    ours = changed_among(dst, base, [c.path for c in theirs])
     found = []
     for c in theirs:
         if c.path not in ours:

@@ -1,8 +1,8 @@
 """Rollback in place (docs/fork-tree.md): a running sandbox brought back to one of its own
 memory snapshots — files, memory and processes — under the same id, address, tokens and
 URLs, so a harness retries a step without re-wiring anything. The container is replaced by
-one restored from the snapshot's image in the same network slot, on the snapshot's layers
-and a fresh upper; what the sandbox wrote since is dropped."""
+one restored from the snapshot's image, on the snapshot's layers and a fresh upper; what the
+sandbox wrote since is dropped."""
 
 from __future__ import annotations
 
@@ -63,15 +63,24 @@ class Rollbacks:
             await self.templates.ensure_layers(snap)
             image = await self.templates.image_of(snap)
             storage = self.booter.storage
-            stopped = r.instance
-            old_layers, old_upper = list(r.layers), r.upper
+            old, old_layers, old_upper = r.instance, list(r.layers), r.upper
             await asyncio.to_thread(storage.hold, "sandbox", sandbox_id, list(snap.layers))
             with t.stage("stop"):
-                await self.booter.runtime.stop(stopped)
+                # Killed at once, the rest of it (exit, unmount, delete, its network slot)
+                # in the background: the restored one starts meanwhile in a fresh slot, as
+                # a resume from disk does (the address inside is the same in every slot).
+                await self.booter.destroy_quietly(old)
+            r.instance = None
             r.layers = list(snap.layers)
             r.upper = str(await asyncio.to_thread(storage.new_upper, sandbox_id))
             r.copied_as, r.copied_upper = [], None
-            await self.booter.restore_in_place(r, t, image, stopped)
+            try:
+                await self.booter.boot(r, t, image=image, init=False)
+            except BaseException as e:
+                r.state = SandboxState.LOST
+                r.note = f"restoring it from snapshot {snapshot} failed: {e}"
+                await self.table.save(r)
+                raise
             await self.table.save(r)
         gone = [d for d in old_layers if d not in r.layers]
         await asyncio.to_thread(storage.unhold, "sandbox", sandbox_id, gone)
