@@ -333,10 +333,10 @@ class GVisorRuntime(Runtime):
         self.guards.disarm(cid)
         t0 = time.perf_counter()
         try:
-            # After a checkpoint the sandbox exits by itself. `runsc delete` (a process start)
-            # is left to the next start (under a new id) or to destroy, off the path of a
-            # snapshot, pause or rollback.
-            await self.procs.remove(held, kill=not held.checkpointed, delete=False)
+            # After a checkpoint the sandbox exits by itself; its `runsc delete` is left to
+            # the next start (under a new id) or to destroy, off the snapshot's path.
+            done = held.checkpointed
+            await self.procs.remove(held, kill=not done, delete=not done)
             await self._release_rootfs(held)
             held.stopped, held.stopped_at = True, time.time()
             held.pid = held.gofer_pid = 0
