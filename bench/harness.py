@@ -203,6 +203,10 @@ class Run:
             api = self.api(server.url, server.api_key)
             local = True
             self.config["main_server"] = {"env": "server defaults (warm network-slot pool on)"}
+        meter = CpuMeter(
+            server.env["AENV_NET_PREFIX"] if server is not None else "aenv",
+            server.proc.pid if server is not None and server.proc else None,
+        )
         sr = ServerRows(
             api,
             self.results,
@@ -211,6 +215,7 @@ class Run:
             want=self.want,
             local=local,
             home=server.home if server is not None else None,
+            meter=meter if server is not None else None,
         )
         try:
             await self.guard(rows, "warm-up", sr.warmup)
@@ -228,10 +233,6 @@ class Run:
             await self.guard(CONCURRENT_ROWS, "concurrent create", sr.concurrent_rows)
             if any(self.want(r) for r in ROLLOUT_ROWS):
                 url = server.url if server is not None else self.opts.url or ""
-                meter = CpuMeter(
-                    server.env["AENV_NET_PREFIX"] if server is not None else "aenv",
-                    server.proc.pid if server is not None and server.proc else None,
-                )
                 rollouts = ServerRollouts(api, url, self.results, self.plan, self.progress, meter)
                 await self.guard(ROLLOUT_ROWS, "rollouts", rollouts.run)
             await self.guard(POPULATED_ROWS, "populated node", sr.populated_rows)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from . import hostproc
 from .client import Abort, Api, BenchError, Missing, Sbx
+from .cpu import CpuMeter
 from .idle_cpu import busy_millicores
 from .plan import Plan, Progress
 from .stats import Results
@@ -96,7 +97,8 @@ class RowsBase:
     """The rows of one server, their shared parts. `local`: the server runs on this host
     (its runsc processes can be found, for memory and to know when a killed or hibernated
     sandbox is gone). `home`: its AENV_HOME when the bench started it (host-side reads of its
-    catalog and images), else None."""
+    catalog and images), else None. `meter`: the server's process and its sandboxes' cgroups,
+    when the bench started the server."""
 
     def __init__(
         self,
@@ -108,6 +110,7 @@ class RowsBase:
         want: Callable[[str], bool],
         local: bool = True,
         home: Path | None = None,
+        meter: CpuMeter | None = None,
     ) -> None:
         self.api = api
         self.results = results
@@ -116,6 +119,7 @@ class RowsBase:
         self.want = want
         self.local = local
         self.home = home
+        self.meter = meter
         self._troubled = False  # a row failed since the last `_release`
         self._bg: set[asyncio.Task[None]] = set()
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from . import hostproc
 from .client import BenchError, Sbx
+from .cpu import CpuMeter
 from .idle_cpu import busy_millicores
 from .scenarios_common import POOL_REFILL_WAIT, RowsBase, sample_loop
 
@@ -23,6 +25,15 @@ IDLE_NODE = "idle_node_mc"
 IDLE_SANDBOX = "idle_sandbox_mc"
 # A fill stops after this many failed creates (the node is full, or failing).
 FILL_FAILURES = 5
+
+
+@dataclass(frozen=True)
+class IdleCpu:
+    """Millicores over the idle window: the whole machine's, and the node's own (None when
+    the bench did not start the server)."""
+
+    machine_mc: float
+    node_mc: float | None
 
 
 class ScaleRows(RowsBase):
@@ -164,13 +175,20 @@ class ScaleRows(RowsBase):
         except BenchError:
             return []
 
-    async def _idle_cpu(self, label: str) -> float:
+    async def _idle_cpu(self, label: str) -> IdleCpu:
         p = self.plan
         self.progress.step(f"{label}: settle {p.idle_cpu_settle:g}s, {p.idle_cpu_window:g}s", 1)
         await asyncio.sleep(p.idle_cpu_settle)
-        mc = await busy_millicores(p.idle_cpu_window)
+        if self.meter is None:
+            got = IdleCpu(await busy_millicores(p.idle_cpu_window), None)
+        else:
+            a = self.meter.sample()
+            await asyncio.sleep(p.idle_cpu_window)
+            cpu = CpuMeter.split(a, self.meter.sample())
+            per_s = 1000 / p.idle_cpu_window
+            got = IdleCpu(cpu.total_s * per_s, (cpu.server_s + cpu.sandboxes_s) * per_s)
         self.progress.advance()
-        return mc
+        return got
 
     async def _with_rows(self, filler: list[str], *, idle_cpu: bool = False) -> None:
         p = self.plan
@@ -200,20 +218,31 @@ class ScaleRows(RowsBase):
         finally:
             await self._quiet_kill([ref])
 
-    def _idle_cpu_rows(self, empty: float, full: float, n: int) -> None:
-        window = f"the machine's busy CPU over {self.plan.idle_cpu_window:g} s (/proc/stat)"
-        self.results.add(IDLE_NODE, empty)
-        self.results.note(
-            IDLE_NODE,
-            f"{window}, the server up with its warm pool and no other sandbox; every "
-            "process counts, the host's own agents too",
+    def _idle_cpu_rows(self, empty: IdleCpu, full: IdleCpu, n: int) -> None:
+        window = f"over {self.plan.idle_cpu_window:g} s"
+        machine = (
+            f"the machine's busy CPU (/proc/stat, the host's own agents too): "
+            f"{empty.machine_mc:.1f} mc with none, {full.machine_mc:.1f} mc with {n}"
         )
-        self.results.add(IDLE_SANDBOX, max(0.0, full - empty) / n)
+        if empty.node_mc is None or full.node_mc is None:
+            node_empty, node_full = empty.machine_mc, full.machine_mc
+            what = f"{machine} (the server is not the bench's: its own CPU is not measured)"
+        else:
+            node_empty, node_full = empty.node_mc, full.node_mc
+            what = (
+                "the node's own CPU: the server process and its sandboxes' cgroups "
+                f"(runsc and what runs inside); {machine}"
+            )
+        self.results.add(IDLE_NODE, node_empty)
+        self.results.note(
+            IDLE_NODE, f"{window}, the server up with its warm pool and no other sandbox; {what}"
+        )
+        self.results.add(IDLE_SANDBOX, max(0.0, node_full - node_empty) / n)
         self.results.note(
             IDLE_SANDBOX,
-            f"({full:.1f} - {empty:.1f}) / {n}: {window} with {n} idle sandboxes (memoryMB "
-            f"{FILLER_MEMORY_MB}, settled {self.plan.idle_cpu_settle:g} s) less the same "
-            "with none, per sandbox",
+            f"({node_full:.1f} - {node_empty:.1f}) / {n} {window}: with {n} idle sandboxes "
+            f"(memoryMB {FILLER_MEMORY_MB}, settled {self.plan.idle_cpu_settle:g} s) less the "
+            "same with none, per sandbox",
         )
 
     async def _with_samples(self, ref: Sbx, *, baseline: bool) -> None:

@@ -32,6 +32,8 @@ class FakeNode:
         self.node_id = node_id
         self.full = False
         self.sandboxes: set[str] = set()
+        # Templates this node's catalog knows, and whether each is public.
+        self.templates: dict[str, bool] = {}
         self.seen: list[str] = []
         # The X-Request-Id of each request the node got (the gateway passes its own on).
         self.request_ids: list[str] = []
@@ -100,8 +102,23 @@ class FakeNode:
                 self.sandboxes.clear()
             return JSONResponse({"sandboxIDs": done, "failed": []})
 
+        async def template(request: Request) -> Response:
+            tid = request.path_params["tid"]
+            self.seen.append(f"{request.method} {request.url.path}")
+            if tid not in self.templates:
+                return JSONResponse({"code": 404, "message": "no such template"}, 404)
+            if request.method == "PATCH":
+                self.templates[tid] = bool((await request.json())["public"])
+                return Response(status_code=200)
+            if request.method == "DELETE":
+                del self.templates[tid]
+                return Response(status_code=204)
+            return JSONResponse({"templateID": tid, "public": self.templates[tid]})
+
         return Starlette(
             routes=[
+                Route("/templates/{tid}", template, methods=["GET", "PATCH", "DELETE"]),
+                Route("/v2/templates/{tid}", template, methods=["PATCH"]),
                 Route("/sandboxes", bulk, methods=["DELETE"]),
                 Route("/sandboxes/pause", bulk, methods=["POST"]),
                 Route("/sandboxes/timeout", bulk, methods=["POST"]),
@@ -276,3 +293,25 @@ async def test_a_fork_of_a_snapshot_goes_where_the_snapshot_is(
         assert "POST /sandboxes/snap1/fork" in b.seen and not a.seen
         for child in ("snap1c0", "snap1c1"):
             assert await state.binding(child) == b.node_id
+
+
+async def test_a_template_change_reaches_every_node_that_knows_it(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    """A template a node built is known to the others once they learned it from the
+    repository: making it public (either PATCH route) or deleting it changes it on all of
+    them; the node that built it answers."""
+    async with cluster(redis, tmp_path) as (client, a, b, state):
+        a.templates["tpl"] = b.templates["tpl"] = False
+        await state.bind_template("tpl", a.node_id)
+        r = await client.patch("/templates/tpl", json={"public": True})
+        assert r.status_code == 200
+        assert a.templates == b.templates == {"tpl": True}
+        r = await client.patch("/v2/templates/tpl", json={"public": False})
+        assert r.status_code == 200
+        assert a.templates == b.templates == {"tpl": False}
+        assert (await client.get("/templates/tpl")).json()["public"] is False
+        assert (await client.delete("/templates/tpl")).status_code == 204
+        assert a.templates == b.templates == {}
+        # One the cluster does not know: the building node's 404, not a merged guess.
+        assert (await client.patch("/templates/nope", json={"public": True})).status_code == 404

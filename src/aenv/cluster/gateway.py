@@ -265,12 +265,15 @@ class Gateway:
 
     async def _template(self, request: Request, template_id: str) -> Response:
         node = await self._node_of_template(template_id)
-        if request.method == "DELETE":
-            # Every node's catalog knows a template it learned from the repository.
-            first = await self.nodes.send(request, node)
+        if request.method in ("DELETE", "PATCH"):
+            # Every node's catalog knows a template it learned from the repository: a
+            # change (public, names) or a delete is made on all of them; its node answers.
+            body = await request.body()
+            first = await self.nodes.send(request, node, body=body)
             others = [n for n in await self.directory.healthy() if n.node_id != node.node_id]
             await asyncio.gather(
-                *(self.nodes.send(request, n) for n in others), return_exceptions=True
+                *(self.nodes.send(request, n, body=body) for n in others),
+                return_exceptions=True,
             )
             return _plain(first)
         return self.nodes.passthrough(request, node)
