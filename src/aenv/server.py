@@ -26,6 +26,7 @@ from .cluster.endpoints import EndpointWatch
 from .cluster.forward import NodeClient
 from .cluster.gateway import Gateway, create_gateway_app
 from .cluster.k8s import KubernetesDiscovery
+from .cluster.lostsweep import LostSweep
 from .cluster.metrics import GatewayMetrics
 from .cluster.scheduler import load_scheduler
 from .cluster.state import ClusterState
@@ -154,6 +155,7 @@ def gateway_app(settings: Settings) -> ASGIApp:
         parts.append(
             MetricsListener(settings.metrics_listen, partial(metrics.exposition, directory.nodes))
         )
+    parts.append(LostSweep(settings, state, gateway.events))
     lifespan = lifespan_of(*parts, _Closing(nodes.aclose), _Closing(state.close))
     # The node API's request ids: the gateway's answers carry one too, and it goes on to
     # the node with the request (the node keeps a usable id it is given).

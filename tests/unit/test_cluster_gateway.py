@@ -6,6 +6,7 @@ gateway's address reaches the sandbox that signed it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 from collections.abc import AsyncIterator, Iterator
@@ -18,7 +19,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from aenv.cluster.records import NodeRecord
+from aenv.cluster.directory import Directory
+from aenv.cluster.forward import NodeClient
+from aenv.cluster.gwevents import GatewayEvents
+from aenv.cluster.lostsweep import LostSweep
+from aenv.cluster.metrics import GatewayMetrics
+from aenv.cluster.records import NodeRecord, RosterEntry
+from aenv.cluster.scheduler import load_scheduler
 from aenv.cluster.state import ClusterState
 from aenv.config import Settings
 from aenv.server import gateway_app
@@ -35,6 +42,8 @@ class FakeNode:
         # Templates this node's catalog knows, and whether each is public.
         self.templates: dict[str, bool] = {}
         self.seen: list[str] = []
+        # Lifecycle events a gateway asked this node to record (`POST /cluster/events`).
+        self.events: list[dict[str, object]] = []
         # The X-Request-Id of each request the node got (the gateway passes its own on).
         self.request_ids: list[str] = []
         self._ids = itertools.count(1)
@@ -115,8 +124,13 @@ class FakeNode:
                 return Response(status_code=204)
             return JSONResponse({"templateID": tid, "public": self.templates[tid]})
 
+        async def record_event(request: Request) -> Response:
+            self.events.append(await request.json())
+            return Response(status_code=202)
+
         return Starlette(
             routes=[
+                Route("/cluster/events", record_event, methods=["POST"]),
                 Route("/templates/{tid}", template, methods=["GET", "PATCH", "DELETE"]),
                 Route("/v2/templates/{tid}", template, methods=["PATCH"]),
                 Route("/sandboxes", bulk, methods=["DELETE"]),
@@ -315,3 +329,40 @@ async def test_a_template_change_reaches_every_node_that_knows_it(
         assert a.templates == b.templates == {}
         # One the cluster does not know: the building node's 404, not a merged guess.
         assert (await client.patch("/templates/nope", json={"public": True})).status_code == 404
+
+
+async def test_the_sandboxes_of_a_dead_node_are_recorded_lost_without_a_request(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    """A node stops heartbeating: each of its sandboxes nobody can resume (not hibernated
+    into the repository, still bound to it) is recorded killed with `node_lost` on a
+    healthy node, once, by the gateway's own sweep."""
+    a, b = FakeNode("na"), FakeNode("nb")
+    state = ClusterState(redis.url)
+    settings = Settings(home=tmp_path, redis_url=redis.url, node_dead_after=0.5)
+    try:
+        async with uvicorn_task(a.app()) as pa, uvicorn_task(b.app()) as pb:
+            roster = {
+                "gone1": RosterEntry(state="running", template_id="base"),
+                "asleep": RosterEntry(state="paused", tier="hibernated", image="img-1"),
+                "moved": RosterEntry(state="running"),
+            }
+            await state.heartbeat(b.record(pb), roster, None)
+            await state.bind("moved", a.node_id)
+            nodes = NodeClient(GatewayMetrics())
+            directory = Directory(settings, state, load_scheduler(settings.scheduler), None)
+            sweep = LostSweep(settings, state, GatewayEvents(state, directory, nodes))
+            await state.heartbeat(a.record(pa), {}, None)
+            assert await sweep.round() == 0  # nb is still alive
+            await asyncio.sleep(1.0)
+            await state.heartbeat(a.record(pa), {}, None)
+            assert await sweep.round() == 1
+            assert [(e["sandboxId"], e["type"]) for e in a.events] == [
+                ("gone1", "sandbox.lifecycle.killed")
+            ]
+            assert a.events[0]["eventData"] == {"kill_reason": "node_lost", "node_id": "nb"}
+            assert await sweep.round() == 0  # once
+            assert len(a.events) == 1
+            await nodes.aclose()
+    finally:
+        await state.close()

@@ -120,11 +120,12 @@ class GatewayEvents:
         items = sorted(merged.values(), key=_key, reverse=not asc)
         return JSONResponse(items[offset:want])
 
-    async def node_lost(self, sandbox_id: str, node_id: str, api_key: str | None) -> None:
+    async def node_lost(self, sandbox_id: str, node_id: str, api_key: str | None) -> bool:
         """A sandbox that went with its node (not in the repository): recorded killed
-        once, by whichever gateway saw it first, on a healthy node that delivers it."""
+        once, by whichever gateway saw it first, on a healthy node that delivers it.
+        Whether this call recorded it."""
         if not await self.state.claim_lost(sandbox_id):
-            return
+            return False
         entry = await self.state.roster_entry(node_id, sandbox_id)
         event = LifecycleEvent(
             id=str(uuid.uuid4()),
@@ -142,6 +143,8 @@ class GatewayEvents:
         except Exception as e:
             await self.state.unclaim_lost(sandbox_id)  # the next request tries again
             log.warning("the loss of sandbox %s not recorded: %s", sandbox_id, e)
+            return False
+        return True
 
     # ------------------------------------------------------------------ webhooks
     async def _everywhere(
