@@ -13,6 +13,11 @@ memory; writes go to disk off the event loop.
 
 Secrets belong to the API key that made them (by name; AENV_API_KEY's are its own): a key
 sees, changes and resolves only its own. A name is unique per key, stored lower case.
+
+In a cluster every node holds every secret: a node tells the cluster's copy of each change it
+makes (`publish`, sealed entries only) and takes the others' (`sync`, at each heartbeat, and
+`refreshed` before it answers about secrets or checks a create's rules), so a secret made
+through one node is there for a sandbox on any other. The nodes share AENV_SECRETS_KEY.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import logging
 import os
 import re
 import secrets
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -188,6 +194,11 @@ class SecretStore:
         self._box = SecretBox(key)
         self._entries: dict[str, _Sealed] = {}
         self._lock = asyncio.Lock()
+        # The cluster's copy (a node of a cluster sets them, `cluster/agent.py`): told of
+        # each change (a sealed entry as JSON, None for a delete), and asked for the others'.
+        self.publish: Callable[[str, str | None], Awaitable[None]] | None = None
+        self.refresh: Callable[[], Awaitable[None]] | None = None
+        self._unopened: set[tuple[str, int]] = set()
         self._load()
 
     @classmethod
@@ -214,6 +225,58 @@ class SecretStore:
         doc = {"secrets": [e.to_json() for e in self._entries.values()]}
         data = json.dumps(doc, indent=1).encode()
         await asyncio.to_thread(write_private, self.path, data)
+
+    # The cluster's copy -----------------------------------------------------------------------
+
+    async def refreshed(self) -> None:
+        """Takes the cluster's latest first (a node of a cluster), so a secret made or
+        changed through another node is known here at once."""
+        if self.refresh is not None:
+            try:
+                await self.refresh()
+            except Exception as e:
+                log.warning("the cluster's secrets not read: %s", e)
+
+    async def sync(self, docs: Mapping[str, str], deleted: set[str]) -> bool:
+        """Takes the cluster's entries (newer versions than ours, ones we lack) and drops the
+        deleted; whether anything changed. An entry this node's key does not open is left
+        out, logged once (the nodes' AENV_SECRETS_KEY differ)."""
+        changed = False
+        async with self._lock:
+            for sid in deleted & self._entries.keys():
+                del self._entries[sid]
+                changed = True
+            for sid, doc in docs.items():
+                if sid in deleted:
+                    continue
+                e = _Sealed.from_json(json.loads(doc))
+                have = self._entries.get(sid)
+                if have is not None and have.info.version >= e.info.version:
+                    continue
+                try:
+                    self._box.open(e)
+                except Exception:
+                    if (sid, e.info.version) not in self._unopened:
+                        self._unopened.add((sid, e.info.version))
+                        log.error(
+                            "secret %s from the cluster does not open with this node's key "
+                            "(give every node the same AENV_SECRETS_KEY)",
+                            sid,
+                        )
+                    continue
+                self._entries[sid] = e
+                changed = True
+            if changed:
+                await self._save()
+        return changed
+
+    async def _tell(self, secret_id: str, entry: _Sealed | None) -> None:
+        if self.publish is None:
+            return
+        try:
+            await self.publish(secret_id, None if entry is None else json.dumps(entry.to_json()))
+        except Exception as e:
+            log.warning("secret %s not given to the cluster: %s", secret_id, e)
 
     # Reads ------------------------------------------------------------------------------------
 
@@ -277,9 +340,10 @@ class SecretStore:
                 created_at=now,
                 updated_at=now,
             )
-            self._entries[info.secret_id] = self._box.seal(info, value)
+            entry = self._entries[info.secret_id] = self._box.seal(info, value)
             await self._save()
         log.info("secret %s (%s) created", info.secret_id, info.name)
+        await self._tell(info.secret_id, entry)
         return info
 
     async def update(
@@ -296,9 +360,10 @@ class SecretStore:
                 metadata=old.metadata if meta is None else meta,
                 updated_at=datetime.now(UTC),
             )
-            self._entries[info.secret_id] = self._box.seal(info, value)
+            entry = self._entries[info.secret_id] = self._box.seal(info, value)
             await self._save()
         log.info("secret %s (%s) updated to version %d", info.secret_id, info.name, info.version)
+        await self._tell(info.secret_id, entry)
         return info
 
     async def delete(self, owner: str | None, ref: str) -> None:
@@ -307,3 +372,4 @@ class SecretStore:
             del self._entries[info.secret_id]
             await self._save()
         log.info("secret %s (%s) deleted", info.secret_id, info.name)
+        await self._tell(info.secret_id, None)

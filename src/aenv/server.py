@@ -111,7 +111,7 @@ def node_app(settings: Settings, orchestrator: Orchestrator | None = None) -> AS
     builder = Builder(settings, orch)
     parts: list[Part] = [_KeyBootstrap(settings, keys), orch, builder]
     if settings.redis_url:
-        parts.append(NodeAgent(settings, orch, ClusterState(settings.redis_url)))
+        parts.append(NodeAgent(settings, orch, ClusterState(settings.redis_url), secrets))
     if settings.metrics_listen:
         parts.append(MetricsListener(settings.metrics_listen, orch.stats.exposition))
     app = create_app(

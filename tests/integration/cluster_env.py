@@ -5,6 +5,7 @@ nodes is the slow part."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import shutil
@@ -26,7 +27,14 @@ from tests.helpers import ROOT, RedisServer, free_port, wait_healthy
 from .conftest import AENV, Server, running_server
 
 KEY = "e2b_" + "c1" * 20
-SECRETS = {"redis": f"redis-pw-{uuid.uuid4().hex}", "s3": f"s3-secret-{uuid.uuid4().hex}"}
+SECRETS = {
+    "redis": f"redis-pw-{uuid.uuid4().hex}",
+    "s3": f"s3-secret-{uuid.uuid4().hex}",
+    # A `/secrets` value the tests store through the cluster (never to be logged).
+    "user secret": f"user-secret-{uuid.uuid4().hex}",
+}
+# The key every node seals `/secrets` values with (the cluster's, docs/secrets.md).
+SECRETS_KEY = base64.b64encode(os.urandom(32)).decode()
 
 
 def node_ids(tag: str, count: int) -> tuple[str, ...]:
@@ -109,6 +117,7 @@ def run_cluster(
     common = dict(
         AENV_REDIS_URL=redis.url,
         AENV_API_KEY=KEY,
+        AENV_SECRETS_KEY=SECRETS_KEY,
         AENV_HEARTBEAT_SECONDS="1",
         AENV_NODE_DEAD_AFTER="5",
         AENV_SNAPSHOT_REPO=f"s3://{bucket}/cluster",

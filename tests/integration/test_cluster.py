@@ -359,6 +359,41 @@ def test_a_killed_node_is_unhealthy_and_its_hibernated_sandboxes_move(cluster: C
         victim.start()
 
 
+def test_a_secret_made_through_one_node_serves_every_node(cluster: Cluster) -> None:
+    """`/secrets` through a gateway lands on one node; every node knows it at once (its
+    metadata, a create whose rules name it), a change made through another node too, and
+    a delete removes it everywhere. The value is never answered."""
+    gw = cluster.gateways[0]
+    h = {"X-API-Key": KEY}
+    value = SECRETS["user secret"]
+    r = httpx.post(f"{gw.url}/secrets", json={"name": "CL_TOKEN", "value": value}, headers=h)
+    assert r.status_code == 201, r.text
+    sid = r.json()["secretID"]
+    live = [srv for srv in cluster.nodes.values() if srv.proc is not None]
+    assert len(live) >= 2
+    for srv in live:
+        got = httpx.get(f"{srv.url}/secrets/{sid}", headers=h)
+        assert got.status_code == 200, (srv.url, got.text)
+        assert got.json()["currentVersion"] == 1 and value not in got.text
+    r = httpx.post(f"{live[1].url}/secrets/cl_token", json={"value": value + "2"}, headers=h)
+    assert r.status_code == 200 and r.json()["currentVersion"] == 2
+    assert httpx.get(f"{live[0].url}/secrets/{sid}", headers=h).json()["currentVersion"] == 2
+    rules = {"api.cluster.test": [{"transform": {"headers": {"X-T": "${e2b.secrets.CL_TOKEN}"}}}]}
+    for srv in live:
+        made = httpx.post(
+            f"{srv.url}/v2/sandboxes",
+            json={"templateID": "base", "timeout": 120, "network": {"rules": rules}},
+            headers=h,
+            timeout=120,
+        )
+        assert made.status_code == 201, (srv.url, made.text)
+        cluster.made.append(made.json()["sandboxID"])
+        httpx.delete(f"{srv.url}/sandboxes/{made.json()['sandboxID']}", headers=h, timeout=60)
+    assert httpx.delete(f"{gw.url}/secrets/{sid}", headers=h).status_code == 204
+    for srv in live:
+        assert httpx.get(f"{srv.url}/secrets/{sid}", headers=h).status_code == 404
+
+
 def test_no_secret_reaches_a_log(cluster: Cluster) -> None:
     """After everything above (Redis restarted under the nodes and gateways, a node killed),
     no node's or gateway's log holds Redis' password, the S3 secret or the API key."""

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
 import ssl
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography import x509
 
 from aenv.egress import EgressPolicy
 from aenv.runtime.net import sniff
@@ -208,3 +210,39 @@ async def test_the_ca_is_kept_and_private(tmp_path: Path) -> None:
     assert again.cached_context("a.example.test") is ctx
     with pytest.raises(ValueError):
         again.server_context("../evil")
+
+
+async def test_the_nodes_of_a_cluster_make_one_ca(tmp_path: Path) -> None:
+    """Two nodes with the cluster's secrets key make CAs with one key and name: a client
+    that trusts one node's CA completes TLS with the other node's proxy (a sandbox moved
+    between them keeps trusting its egress). Without the key, each node's is its own."""
+    seed = os.urandom(32)
+    a, b = EgressCA(tmp_path / "a", seed=seed), EgressCA(tmp_path / "b", seed=seed)
+    lone = EgressCA(tmp_path / "lone")
+    for ca in (a, b, lone):
+        ca.load()
+    assert a.pem != b.pem  # certificates of their own (serials, times), over one key
+    ca_a, ca_lone = (x509.load_pem_x509_certificate(c.pem) for c in (a, lone))
+    assert ca_a.public_key() != ca_lone.public_key()
+
+    async def handshake(server: EgressCA, trusted: EgressCA) -> None:
+        async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            w.close()
+
+        srv = await asyncio.start_server(
+            answer, "127.0.0.1", 0, ssl=server.server_context("api.moved.test")
+        )
+        port = srv.sockets[0].getsockname()[1]
+        client = ssl.create_default_context(cadata=trusted.pem.decode())
+        try:
+            _, w = await asyncio.open_connection(
+                "127.0.0.1", port, ssl=client, server_hostname="api.moved.test"
+            )
+            w.close()
+        finally:
+            srv.close()
+            await srv.wait_closed()
+
+    await handshake(b, a)  # b's proxy, a's CA in the sandbox's trust store
+    with pytest.raises(ssl.SSLCertVerificationError):
+        await handshake(lone, a)

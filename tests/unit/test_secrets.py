@@ -142,6 +142,44 @@ async def test_a_sealed_value_moved_to_another_entry_does_not_open(tmp_path: Pat
         store.lookup("alice", "b")
 
 
+async def test_nodes_of_a_cluster_share_their_secrets(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two nodes' stores over one copy (a dict standing in for Redis): each change one
+    makes is published sealed, the other takes it (newer versions only, deletes too) and
+    resolves the value; a node whose key differs takes nothing it cannot open."""
+    key = os.urandom(32)
+    cluster: dict[str, str] = {}
+    deleted: set[str] = set()
+
+    async def publish(sid: str, doc: str | None) -> None:
+        if doc is None:
+            cluster.pop(sid, None)
+            deleted.add(sid)
+        else:
+            cluster[sid] = doc
+
+    a, b = SecretStore(tmp_path / "a.json", key), SecretStore(tmp_path / "b.json", key)
+    for s in (a, b):
+        s.publish = publish
+    info = await a.create("alice", "TOKEN", VALUE, None)
+    assert VALUE not in cluster[info.secret_id]  # sealed
+    assert await b.sync(cluster, deleted) and b.lookup("alice", "token") == VALUE
+    assert not await b.sync(cluster, deleted)  # nothing new
+    await b.update("alice", "token", VALUE + "2", None)
+    assert await a.sync(cluster, deleted)
+    assert a.get("alice", "token").version == 2 and a.lookup("alice", "token") == VALUE + "2"
+    # A node with another key: left out, said once, nothing breaks.
+    c = SecretStore(tmp_path / "c.json", os.urandom(32))
+    assert not await c.sync(cluster, deleted)
+    assert c.listed("alice") == [] and "does not open" in caplog.text
+    await a.delete("alice", "token")
+    assert await b.sync(cluster, deleted) and b.listed("alice") == []
+    # b's file holds what it took, sealed: a restarted node starts with it.
+    await b.create("alice", "OTHER", VALUE, None)
+    assert SecretStore(tmp_path / "b.json", key).lookup("alice", "other") == VALUE
+
+
 def test_the_cluster_key_setting(tmp_path: Path) -> None:
     key = os.urandom(32)
     for text in (base64.b64encode(key).decode(), base64.urlsafe_b64encode(key).decode()):

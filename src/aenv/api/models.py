@@ -103,13 +103,17 @@ class EgressRules(ApiRequest):
             raise BadRequest(f"invalid network rule: {e}") from None
 
 
-def check_secrets(policy: EgressPolicy, secrets: SecretStore) -> None:
+async def check_secrets(policy: EgressPolicy, secrets: SecretStore) -> None:
     """BadRequest when a placeholder of the rules names a secret its owner does not have
-    (E2B's 400): a typo is told at create, not as a failed request later."""
-    missing = secrets.missing(policy.owner, policy.secret_names())
+    (E2B's 400): a typo is told at create, not as a failed request later. In a cluster the
+    nodes' latest are read first, when one is missing here."""
+    names = policy.secret_names()
+    if names and secrets.missing(policy.owner, names):
+        await secrets.refreshed()
+    missing = secrets.missing(policy.owner, names)
     if missing:
-        names = ", ".join(repr(n) for n in missing)
-        raise BadRequest(f"network.rules: no secret named {names} (see /secrets)")
+        listed = ", ".join(repr(n) for n in missing)
+        raise BadRequest(f"network.rules: no secret named {listed} (see /secrets)")
 
 
 class NetworkConfig(EgressRules):

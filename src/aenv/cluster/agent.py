@@ -2,7 +2,8 @@
 node's registration (capacity, usage, status, the templates it holds) and roster in Redis.
 Redis being away is logged once and survived: the next heartbeat that gets through writes
 everything again. At its first heartbeat the node also gives up the hibernated sandboxes
-another node took over while it was away (their binding names that node)."""
+another node took over while it was away (their binding names that node). The node's secrets
+are the cluster's: each change it makes goes to Redis, and each heartbeat takes the others'."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .. import __version__
 from ..config import Settings
 from ..domain import SandboxRecord, SandboxState
 from ..orchestrator import Orchestrator
+from ..secretstore import SecretStore
 from .records import NodeRecord, RosterEntry
 from .state import ClusterState
 
@@ -50,10 +52,20 @@ def roster_entry(r: SandboxRecord) -> RosterEntry:
 
 
 class NodeAgent:
-    def __init__(self, settings: Settings, orchestrator: Orchestrator, state: ClusterState):
+    def __init__(
+        self,
+        settings: Settings,
+        orchestrator: Orchestrator,
+        state: ClusterState,
+        secrets: SecretStore | None = None,
+    ):
         self.settings = settings
         self.orch = orchestrator
         self.state = state
+        self.secrets = secrets
+        if secrets is not None:
+            secrets.publish = state.put_secret
+            secrets.refresh = self._take_secrets
         self.node_id = settings.cluster_node_id
         self.url = advertise_url(settings)
         self.started_at = time.time()
@@ -138,6 +150,7 @@ class NodeAgent:
             roster = {r.sandbox_id: roster_entry(r) for r in self.orch.table.list()}
             self._previous = await self.state.heartbeat(node, roster, self._previous)
             await self.orch.events.sync(*await self.state.webhooks())
+            await self._take_secrets()
         except Exception as e:
             self._previous = None  # whatever Redis lost, the next heartbeat writes again
             if not self._failing:
@@ -147,6 +160,10 @@ class NodeAgent:
         if self._failing:
             log.info("heartbeats to %s go through again", self.state.url)
         self._failing = False
+
+    async def _take_secrets(self) -> None:
+        if self.secrets is not None:
+            await self.secrets.sync(*await self.state.secrets())
 
     async def _give_up_moved(self) -> None:
         for r in self.orch.table.list():

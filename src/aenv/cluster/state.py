@@ -209,6 +209,30 @@ class ClusterState:
             n, _ = await p.execute()
         return bool(n)
 
+    # ------------------------------------------------------------------ secrets
+    # A cluster's secrets (docs/secrets.md): sealed entries (the nodes share their key), put
+    # here by the node that made each change, taken by the others' heartbeats and before
+    # they answer about secrets.
+    async def secrets(self) -> tuple[dict[str, str], set[str]]:
+        """Sealed secret entries by id, and the ids of deleted secrets."""
+        async with self.redis.pipeline(transaction=False) as p:
+            p.hgetall(self._k("secrets"))
+            p.smembers(self._k("secrets-deleted"))
+            docs, gone = await p.execute()
+        return {str(_text(k)): str(_text(v)) for k, v in docs.items()}, {
+            str(_text(g)) for g in gone
+        }
+
+    async def put_secret(self, secret_id: str, doc: str | None) -> None:
+        """An entry's latest version; None: the secret was deleted."""
+        if doc is not None:
+            await self.redis.hset(self._k("secrets"), secret_id, doc)
+            return
+        async with self.redis.pipeline(transaction=True) as p:
+            p.hdel(self._k("secrets"), secret_id)
+            p.sadd(self._k("secrets-deleted"), secret_id)
+            await p.execute()
+
     async def claim_lost(self, sandbox_id: str) -> bool:
         """Whether this caller is the first to report the sandbox lost with its node (the
         claim outlives the events' retention)."""

@@ -78,7 +78,7 @@ async def create_cold(
 ) -> Sandbox:
     check_timeout(body.timeout, settings)
     req = body.to_request(key_name(request))
-    check_secrets(req.egress, secrets)
+    await check_secrets(req.egress, secrets)
     timings = Timings()
     record = await images.cold_start(
         body.image,

@@ -101,7 +101,7 @@ async def _create(
     check_timeout(body.timeout, settings)
     key = validate_key(key)
     req = body.to_request(owner, body.template_id)
-    check_secrets(req.egress, secrets)
+    await check_secrets(req.egress, secrets)
 
     async def create() -> tuple[Sandbox, str]:
         timings = Timings()
@@ -270,7 +270,7 @@ async def update_network(
     policy = body.policy(body.allow_internet_access)
     if policy.intercepts:  # the sandbox's owner's secrets, not the caller's
         owner = orchestrator.table.get(sandbox_id).owner
-        check_secrets(replace(policy, owner=owner), secrets)
+        await check_secrets(replace(policy, owner=owner), secrets)
     await orchestrator.sandboxes.update_network(sandbox_id, policy)
     return Response(status_code=204)
 

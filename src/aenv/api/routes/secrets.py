@@ -76,6 +76,7 @@ async def list_secrets(
     next_token: str | None = Query(default=None, alias="nextToken"),
 ) -> list[Secret]:
     cursor = Cursor.decode(next_token) if next_token else None
+    await secrets.refreshed()
     items = secrets.listed(key_name(request))
     page, token = paginate(items, order="asc", limit=limit, cursor=cursor, key=_key)
     if token is not None:
@@ -85,12 +86,14 @@ async def list_secrets(
 
 @router.post("/secrets", status_code=201, summary="Create a secret")
 async def create_secret(body: NewSecret, request: Request, secrets: SecretsDep) -> Secret:
+    await secrets.refreshed()  # a name taken through another node of the cluster
     info = await secrets.create(key_name(request), body.name, body.value, body.metadata)
     return Secret.of(info)
 
 
 @router.get("/secrets/{secret_id}", summary="Get a secret's metadata (by id or name)")
 async def get_secret(secret_id: str, request: Request, secrets: SecretsDep) -> Secret:
+    await secrets.refreshed()
     return Secret.of(secrets.get(key_name(request), secret_id))
 
 
@@ -98,11 +101,13 @@ async def get_secret(secret_id: str, request: Request, secrets: SecretsDep) -> S
 async def update_secret(
     secret_id: str, body: SecretUpdate, request: Request, secrets: SecretsDep
 ) -> Secret:
+    await secrets.refreshed()
     info = await secrets.update(key_name(request), secret_id, body.value, body.metadata)
     return Secret.of(info)
 
 
 @router.delete("/secrets/{secret_id}", status_code=204, summary="Delete a secret")
 async def delete_secret(secret_id: str, request: Request, secrets: SecretsDep) -> Response:
+    await secrets.refreshed()
     await secrets.delete(key_name(request), secret_id)
     return Response(status_code=204)

@@ -3,7 +3,10 @@ host with header `rules` (`egress_intercept`) and still be trusted inside.
 
 One CA per node, made at the first start under `$AENV_HOME/secrets/egress-ca/` (its key
 0600, like the rest of that directory); its certificate goes into the trust stores of the
-sandboxes whose egress rules have transforms (`orchestrator/boot.py`), and nowhere else.
+sandboxes whose egress rules have transforms (`orchestrator/boot.py`), and nowhere else. The
+nodes of a cluster (one AENV_SECRETS_KEY) make the same CA key and name from that key, so a
+sandbox moved to another node, or made there from a snapshot, still trusts what that node's
+proxy presents.
 Host certificates are minted on demand, one per host name asked for, signed by it, kept on
 disk beside it and in memory; all share one host key, so minting is one signature. EC P-256
 throughout: a key is made in a millisecond, and every TLS client of the last decade takes
@@ -26,6 +29,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from aenv.fsutil import write_private
@@ -59,13 +63,26 @@ def _load_key(path: Path) -> ec.EllipticCurvePrivateKey:
     return key
 
 
+def derived_key(seed: bytes) -> ec.EllipticCurvePrivateKey:
+    """The same P-256 key from the same seed on every node (HKDF, then the scalar reduced
+    into the curve's order)."""
+    okm = HKDF(hashes.SHA256(), 48, salt=None, info=b"aenv egress CA key").derive(seed)
+    return ec.derive_private_key(int.from_bytes(okm, "big") % (_P256_ORDER - 1) + 1, ec.SECP256R1())
+
+
+_P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
+
+
 class EgressCA:
     """The node's egress CA and the host certificates it signs. Blocking methods (file and
     crypto work) are for a worker thread; `cached_context` is not blocking."""
 
-    def __init__(self, directory: Path, upstream_bundle: Path | None = None) -> None:
+    def __init__(
+        self, directory: Path, upstream_bundle: Path | None = None, seed: bytes | None = None
+    ) -> None:
         self.dir = directory
         self.upstream_bundle = upstream_bundle
+        self.seed = seed  # the cluster's secrets key: the CA key is derived from it
         self._lock = threading.Lock()
         self._contexts: dict[str, tuple[ssl.SSLContext, dt.datetime]] = {}
         self._upstream: ssl.SSLContext | None = None
@@ -93,13 +110,17 @@ class EgressCA:
         self.pem = cert_file.read_bytes()
 
     def _make_ca(self, key_file: Path, cert_file: Path) -> None:
-        key = ec.generate_private_key(ec.SECP256R1())
+        if self.seed is None:
+            key = ec.generate_private_key(ec.SECP256R1())
+            common_name = f"aenv egress CA {os.uname().nodename}"
+        else:
+            key = derived_key(self.seed)
+            kid = x509.SubjectKeyIdentifier.from_public_key(key.public_key()).digest
+            common_name = f"aenv egress CA cluster {kid.hex()[:16]}"
         name = x509.Name(
             [
                 x509.NameAttribute(NameOID.ORGANIZATION_NAME, "aenv"),
-                x509.NameAttribute(
-                    NameOID.COMMON_NAME, f"aenv egress CA {os.uname().nodename}"[:64]
-                ),
+                x509.NameAttribute(NameOID.COMMON_NAME, common_name[:64]),
             ]
         )
         now = _now()
