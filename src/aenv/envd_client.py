@@ -2,8 +2,8 @@
 and the CLI's calls through the aenv server's port differ only in their `EnvdTarget`.
 
 Every request to envd is built here and every answer read here; the wire format itself
-(envelopes, Connect headers, process events) is `envd_wire`'s. Failures are `EnvdError`,
-whatever their layer (an envd or proxy answer, a broken stream, no connection), so the node
+(envelopes, Connect headers, process events) is `envd_wire`'s. Failures are `EnvdError`
+(`envd_errors`), whatever their layer (an envd or proxy answer, a broken stream, no connection), so the node
 and the CLI each map one type to their own.
 """
 
@@ -21,6 +21,7 @@ from typing import IO, Any
 
 import httpx
 
+from .envd_errors import EnvdError, EnvdUnreachable
 from .envd_wire import (
     ENVD_PORT,
     FILESYSTEM_MAKE_DIR,
@@ -31,78 +32,20 @@ from .envd_wire import (
     auth_headers,
     call_headers,
     encode_envelope,
-    error_code,
     error_from_json,
     parse_process_event,
     route_headers,
     start_request,
 )
-from .errors import GatewayTimeout, RuntimeFailure
+from .errors import GatewayTimeout
 
-__all__ = [
-    "EnvdClient",
-    "EnvdError",
-    "EnvdTarget",
-    "EnvdUnreachable",
-    "ProcessEvent",
-    "answer_message",
-]
+__all__ = ["EnvdClient", "EnvdTarget", "ProcessEvent"]
 
 # Asked of envd on every stream: a shell that prints nothing for minutes is still alive, and
 # proxies in between do not cut an idle connection.
 _KEEPALIVE = {"Keepalive-Ping-Interval": "50"}
 # `_json`'s markers: no answer for a missing route was given; the route was missing.
 _REQUIRED, _MISSING = object(), object()
-
-
-class EnvdError(RuntimeFailure):
-    """envd (or the proxy before it) refused a call, a stream broke off, or envd could not be
-    reached — not: a process it ran failed. `code` is the Connect code ("not_found",
-    "unavailable", ...), `http_status` the status of the answer when there was one; an
-    unreachable envd has the httpx error as `__cause__`."""
-
-    def __init__(self, code: str, message: str = "", *, http_status: int | None = None) -> None:
-        super().__init__(message or code)
-        self.code = code
-        self.http_status = http_status
-
-    @classmethod
-    def of(cls, exc: WireError) -> EnvdError:
-        return cls(exc.code, exc.message)
-
-    @classmethod
-    def answer(cls, resp: httpx.Response, context: str = "") -> EnvdError:
-        """A non-2xx answer: a Connect error body, an aenv `{code:int, message}` body from
-        the proxy (e.g. 410 for a paused sandbox), or anything else."""
-        message = answer_message(resp)
-        return cls(
-            error_code(resp.status_code, resp.content),
-            f"{context}: {message}" if context else message,
-            http_status=resp.status_code,
-        )
-
-
-class EnvdUnreachable(EnvdError):
-    """No answer: no connection to envd (or to the server before it), a timeout, or a
-    connection that broke off; the httpx error is the `__cause__`."""
-
-
-def answer_message(resp: httpx.Response) -> str:
-    """The human message of an error answer: E2B or Connect `{code, message}`, or the status
-    line plus the start of a body that is not JSON."""
-    try:
-        body = resp.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict):
-        msg = body.get("message") or body.get("detail") or body.get("error")
-        if isinstance(msg, str) and msg.strip():
-            return msg
-        if isinstance(msg, dict | list):
-            return str(msg)
-    text = resp.text.strip()
-    status = f"{resp.status_code} {resp.reason_phrase}".strip()
-    return f"{status}: {text[:200]}" if text else status
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from aenv.envd_client import EnvdClient, EnvdError, EnvdTarget, EnvdUnreachable, ProcessEvent
+from aenv.envd_client import EnvdClient, EnvdTarget, ProcessEvent
+from aenv.envd_errors import EnvdError, EnvdUnreachable
 from aenv.envd_wire import FLAG_END_STREAM, EnvelopeDecoder, b64encode, encode_envelope
 
 Handler = Callable[[httpx.Request], httpx.Response]

@@ -40,6 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "config",
         "envd_wire",
         "envd_client",
+        "envd_errors",
         "domain",
         "egress",
         "nodenet",

@@ -10,7 +10,7 @@ from urllib.parse import quote, urlencode
 
 import httpx
 
-from ..envd_client import answer_message
+from ..envd_errors import answer_message
 from .errors import CliError
 
 USER_AGENT = "aenv-cli"

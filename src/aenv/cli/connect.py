@@ -7,7 +7,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from ..envd_client import EnvdClient, EnvdError, EnvdUnreachable
+from ..envd_client import EnvdClient
+from ..envd_errors import EnvdError, EnvdUnreachable
 from .errors import CliError
 
 T = TypeVar("T")

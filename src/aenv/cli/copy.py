@@ -32,7 +32,8 @@ from typing import IO, Annotated, Any
 
 import typer
 
-from ..envd_client import EnvdClient, EnvdError, EnvdUnreachable
+from ..envd_client import EnvdClient
+from ..envd_errors import EnvdError, EnvdUnreachable
 from ..envd_wire import PROCESS_START, start_request
 from .connect import cli_error, run_with
 from .errors import CliError

@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, BinaryIO, cast
 
-from ..envd_client import EnvdClient, EnvdError, EnvdUnreachable
+from ..envd_client import EnvdClient
+from ..envd_errors import EnvdError, EnvdUnreachable
 from ..envd_wire import (
     PROCESS_CLOSE_STDIN,
     PROCESS_SEND_INPUT,
