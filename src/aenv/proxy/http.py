@@ -28,6 +28,7 @@ about 1.2 ms (p50; p99 over 10 ms) and served a small fraction of the throughput
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 
@@ -55,6 +56,8 @@ _REQUEST_DROP = frozenset({b"content-length", b"expect"})
 _NO_DROP: frozenset[bytes] = frozenset()
 _READ_SIZE = 1 << 16
 _REPLAY_LIMIT = 1 << 16  # request bytes kept for a retry on a fresh connection
+# How long a reset client connection may take to reach the server (`_until_client_gone`).
+CLIENT_GONE_WAIT = 1.0
 
 
 class UpstreamProtocolError(Exception):
@@ -198,6 +201,15 @@ class _Exchange:
 
     def _start_client_side(self) -> None:
         self.client_task = asyncio.get_running_loop().create_task(self._client_side())
+
+    async def _until_client_gone(self) -> None:
+        """After a reset of the client's connection: until the server has seen it end (its
+        receive says so), which over TLS takes a few loop turns. Returning before that, the
+        response reads to the server as one the app left unfinished, an error in its log."""
+        task = self.client_task
+        if task is not None and not task.done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(task), CLIENT_GONE_WAIT)
 
     def _cancel_client_side(self) -> None:
         # Cancelling is enough: the task runs no more of its code, and an ASGI receive()
@@ -455,8 +467,8 @@ class _Exchange:
                 # and so does an upstream that reset ours (a node behind a gateway that reset
                 # the stream of a sandbox it stopped: the client must learn it the same way).
                 reset = conn.dropped or isinstance(exc, ConnectionResetError)
-                if reset:
-                    reset_client(self.send)
+                if reset and reset_client(self.send):
+                    await self._until_client_gone()
                 log.log(
                     logging.INFO if reset else logging.WARNING,
                     "proxy: sandbox %s port %s: upstream response broken off: %s",
