@@ -61,7 +61,7 @@ def cgroup() -> Iterator[str]:
 async def test_passing_the_size_is_reported_and_the_limit_has_headroom(cgroup: str) -> None:
     told: list[str] = []
     guard = memguard.MemoryGuard(told.append)
-    assert guard.arm("c1", cgroup, 64 * MIB)
+    assert await guard.arm("c1", cgroup, 64 * MIB)
     d = MEMORY / cgroup.strip("/")
     assert int((d / "memory.limit_in_bytes").read_text()) == (64 + 128) * MIB
     assert "oom_kill_disable 1" in (d / "memory.oom_control").read_text()
@@ -91,7 +91,7 @@ async def test_passing_the_size_is_reported_and_the_limit_has_headroom(cgroup: s
 async def test_out_of_memory_gets_rescue_room_then_the_kernel_killer(cgroup: str) -> None:
     told: list[str] = []
     guard = memguard.MemoryGuard(told.append)
-    assert guard.arm("c1", cgroup, 64 * MIB)
+    assert await guard.arm("c1", cgroup, 64 * MIB)
     d = MEMORY / cgroup.strip("/")
     proc = await asyncio.create_subprocess_exec(
         sys.executable,

@@ -77,27 +77,36 @@ class MemoryGuard:
         self.on_pressure = on_pressure
         self.root = root
         self._guards: dict[str, _Guard] = {}
+        # The arm in flight of each container (a disarm meanwhile cancels it).
+        self._arming: dict[str, object] = {}
 
     def armed(self, cid: str) -> bool:
         return cid in self._guards
 
-    def arm(self, cid: str, cgroup: str, size: int) -> bool:
-        """Guards the container; False where the host cannot (no cgroup v1 memory)."""
+    async def arm(self, cid: str, cgroup: str, size: int) -> bool:
+        """Guards the container; False where the host cannot (no cgroup v1 memory). The
+        cgroup writes run in a thread: registering a threshold waits for an RCU grace period
+        in the kernel (tens of ms on a busy host), which held the event loop on every
+        create and restore."""
         self.disarm(cid)
         d = self.root / "memory" / cgroup.strip("/")
-        if not (d / "cgroup.event_control").exists():
-            return False
-        fds: list[int] = []
+        token = self._arming[cid] = object()
         try:
-            limit = size + headroom(size)
-            _raise_limit(d, limit)
-            _write(d / "memory.oom_control", 1)
-            threshold_fd = _event(d, "memory.usage_in_bytes", str(size), fds)
-            oom_fd = _event(d, "memory.oom_control", "", fds)
+            got = await asyncio.to_thread(_register, d, size)
         except OSError as e:
+            log.warning("memory guard of %s not armed: %s", cid, e)
+            return False
+        finally:
+            if self._arming.get(cid) is token:
+                del self._arming[cid]
+            else:
+                token = None  # disarmed (or armed again) meanwhile
+        if got is None:
+            return False
+        limit, fds, threshold_fd, oom_fd = got
+        if token is None:
             for fd in fds:
                 os.close(fd)
-            log.warning("memory guard of %s not armed: %s", cid, e)
             return False
         g = _Guard(cid, d, size, limit, fds, threshold_fd, oom_fd)
         loop = asyncio.get_running_loop()
@@ -107,6 +116,7 @@ class MemoryGuard:
         return True
 
     def disarm(self, cid: str) -> None:
+        self._arming.pop(cid, None)
         g = self._guards.pop(cid, None)
         if g is None:
             return
@@ -209,6 +219,26 @@ def _raise_limit(d: Path, limit: int) -> None:
         if int(memsw.read_text()) < limit:
             _write(memsw, limit)
     _write(d / "memory.limit_in_bytes", limit)
+
+
+def _register(d: Path, size: int) -> tuple[int, list[int], int, int] | None:
+    """The cgroup's limit raised by the headroom, the kernel's OOM killer off, and eventfds
+    for the usage threshold and OOM: (limit, every fd, threshold fd, OOM fd); None without
+    cgroup v1 memory events. Blocking; on an error nothing is left open."""
+    if not (d / "cgroup.event_control").exists():
+        return None
+    fds: list[int] = []
+    try:
+        limit = size + headroom(size)
+        _raise_limit(d, limit)
+        _write(d / "memory.oom_control", 1)
+        threshold_fd = _event(d, "memory.usage_in_bytes", str(size), fds)
+        oom_fd = _event(d, "memory.oom_control", "", fds)
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return limit, fds, threshold_fd, oom_fd
 
 
 def _event(d: Path, target: str, args: str, fds: list[int]) -> int:

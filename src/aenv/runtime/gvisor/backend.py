@@ -99,7 +99,7 @@ class GVisorRuntime(Runtime):
         for c in recovered.values():
             c.cgroup = c.cgroup or self.procs.cgroup(c.id)
             if not c.stopped:
-                self.guards.arm(c)
+                await self.guards.arm(c)
         self._live = dict(recovered)
         self.pool.start(reserved={c.slot for c in recovered.values()})
         self._started = True
@@ -222,7 +222,7 @@ class GVisorRuntime(Runtime):
                 self._busy.discard(held.id)
         if held is not None and held.id != cid:
             self._tasks.spawn(self._discard_container(held))
-        self.guards.arm(c)
+        await self.guards.arm(c)
         log.info(
             "%s %s in slot %d at %s%s: %.0f ms (runsc %.0f ms)",
             "restored" if image_dir else "created",

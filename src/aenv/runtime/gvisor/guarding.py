@@ -25,9 +25,9 @@ class ContainerGuards:
         if self._guard is None:
             self._guard = MemoryGuard(self._pressed)
 
-    def arm(self, c: Container) -> None:
+    async def arm(self, c: Container) -> None:
         if self._guard is not None and c.cgroup:
-            self._guard.arm(c.id, c.cgroup, c.memory_mb * 1024 * 1024)
+            await self._guard.arm(c.id, c.cgroup, c.memory_mb * 1024 * 1024)
 
     def disarm(self, cid: str) -> None:
         if self._guard is not None:
