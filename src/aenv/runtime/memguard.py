@@ -91,8 +91,12 @@ class MemoryGuard:
         self.disarm(cid)
         d = self.root / "memory" / cgroup.strip("/")
         token = self._arming[cid] = object()
+        job = asyncio.ensure_future(asyncio.to_thread(_register, d, size))
         try:
-            got = await asyncio.to_thread(_register, d, size)
+            got = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(_close_registered)  # what the thread opens is closed
+            raise
         except OSError as e:
             log.warning("memory guard of %s not armed: %s", cid, e)
             return False
@@ -239,6 +243,15 @@ def _register(d: Path, size: int) -> tuple[int, list[int], int, int] | None:
             os.close(fd)
         raise
     return limit, fds, threshold_fd, oom_fd
+
+
+def _close_registered(job: asyncio.Future[tuple[int, list[int], int, int] | None]) -> None:
+    if job.cancelled() or job.exception() is not None:
+        return
+    got = job.result()
+    for fd in got[1] if got is not None else []:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _event(d: Path, target: str, args: str, fds: list[int]) -> int:
