@@ -160,7 +160,8 @@ class TreeDiffs:
                 src_files, dst_files = await asyncio.gather(
                     self._files(source), self._files(target)
                 )
-                old = await self._base(source, base)
+                # The target as the base: its files were just read (and synced).
+                old = dst_files if base == target_id else await self._base(source, base)
             with t.stage("diff"):
                 theirs = await asyncio.to_thread(diff_stacks, src_files, old, exclude)
                 if paths:
