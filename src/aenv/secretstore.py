@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import json
 import logging
 import os
@@ -38,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from .config.sections import SECRETS_KEY_BYTES as KEY_BYTES
+from .config.sections import parse_secrets_key
 from .errors import BadRequest, Conflict, InternalError, NotFound
 from .fsutil import write_private
 
@@ -51,7 +52,6 @@ NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,128}")
 MAX_VALUE = 64 * 1024
 MAX_METADATA = 32
 MAX_META_KEY, MAX_META_VALUE, MAX_META_TOTAL = 128, 1024, 8192
-KEY_BYTES = 32
 NONCE_BYTES = 12
 
 
@@ -124,26 +124,14 @@ class SecretBox:
         return self._aead.decrypt(entry.nonce, entry.sealed, self._aad(entry.info)).decode()
 
 
-def parse_key(text: str) -> bytes:
-    """A key as AENV_SECRETS_KEY or the key file holds it: base64 (standard or URL-safe) of
-    32 bytes."""
-    raw = text.strip().replace("-", "+").replace("_", "/")
-    try:
-        key = base64.b64decode(raw + "=" * (-len(raw) % 4), validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError("the secrets key is not base64") from None
-    if len(key) != KEY_BYTES:
-        raise ValueError(f"the secrets key must be {KEY_BYTES} bytes (base64), not {len(key)}")
-    return key
-
-
 def node_key(settings: Settings) -> bytes:
     """AENV_SECRETS_KEY, else the node's key file (made on first use, 0600)."""
-    if settings.secrets_key:
-        return parse_key(settings.secrets_key.get_secret_value())
+    key = settings.cluster_secrets_key()
+    if key is not None:
+        return key
     path = settings.secrets_key_file
     try:
-        return parse_key(path.read_text())
+        return parse_secrets_key(path.read_text())
     except FileNotFoundError:
         key = os.urandom(KEY_BYTES)
         write_private(path, base64.b64encode(key) + b"\n")

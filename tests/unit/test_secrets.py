@@ -12,9 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
+from aenv.config.sections import parse_secrets_key as parse_key
 from aenv.errors import InternalError
 from aenv.keys import KeyStore
-from aenv.secretstore import SecretStore, parse_key
+from aenv.secretstore import SecretStore
 from tests.node_harness import Harness, build
 from tests.unit.api_node import API_KEY, api_client, assert_error, served
 

@@ -35,7 +35,13 @@ from pydantic_settings import (
 )
 
 from ..nodenet import node_network
-from .sections import DEFAULT_IMAGE_ALIASES, GIB, ImageSettings, SnapshotSettings
+from .sections import (
+    DEFAULT_IMAGE_ALIASES,
+    GIB,
+    ImageSettings,
+    SnapshotSettings,
+    parse_secrets_key,
+)
 
 __all__ = [
     "DEFAULT_IMAGE_ALIASES",
@@ -372,6 +378,14 @@ class Settings(BaseSettings):
     def api_keys_file(self) -> Path:
         """The named API keys, hashed (`aenv keys`, `aenv.keys`)."""
         return self.secrets_dir / "api-keys.json"
+
+    def cluster_secrets_key(self) -> bytes | None:
+        """AENV_SECRETS_KEY decoded: the cluster's key (secrets, the egress CA), if given."""
+        return (
+            None
+            if self.secrets_key is None
+            else parse_secrets_key(self.secrets_key.get_secret_value())
+        )
 
     @property
     def secrets_key_file(self) -> Path:

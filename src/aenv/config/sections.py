@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -138,3 +140,21 @@ class SnapshotSettings(BaseModel):
     # Objects no manifest references are swept only once older than this (another node may
     # be publishing them right now). Objects of a deleted manifest are swept at once.
     snapshot_gc_grace_seconds: float = 3600.0
+
+
+SECRETS_KEY_BYTES = 32
+
+
+def parse_secrets_key(text: str) -> bytes:
+    """A key as AENV_SECRETS_KEY or the key file holds it: base64 (standard or URL-safe) of
+    32 bytes."""
+    raw = text.strip().replace("-", "+").replace("_", "/")
+    try:
+        key = base64.b64decode(raw + "=" * (-len(raw) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("the secrets key is not base64") from None
+    if len(key) != SECRETS_KEY_BYTES:
+        raise ValueError(
+            f"the secrets key must be {SECRETS_KEY_BYTES} bytes (base64), not {len(key)}"
+        )
+    return key

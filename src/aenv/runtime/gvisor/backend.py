@@ -5,7 +5,6 @@ checkpoint) and the bookkeeping of which ones this process holds."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import time
@@ -53,12 +52,9 @@ class GVisorRuntime(Runtime):
         )
         self.network = Network(self.addressing)
         # Signs the certificates of hosts whose HTTPS the egress proxy opens (header rules).
-        seed = settings.secrets_key
+        # A cluster's nodes share its key: one CA for all (egress_ca's docstring).
         self.egress_ca = EgressCA(
-            settings.egress_ca_dir,
-            settings.egress_ca_bundle,
-            # A cluster's nodes share it: one CA for all (egress_ca's docstring).
-            None if seed is None else base64.b64decode(seed.get_secret_value()),
+            settings.egress_ca_dir, settings.egress_ca_bundle, settings.cluster_secrets_key()
         )
         self.pool = SlotPool(self.network, settings.net_pool_size)
         self.rootfs = RootfsMounts(settings.home / "mnt")
