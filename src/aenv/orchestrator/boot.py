@@ -367,16 +367,18 @@ class Booter:
         self.squash_later(r)
 
     async def restore_in_place(
-        self, r: SandboxRecord, t: Timings, image: Path, stopped: Instance
+        self, r: SandboxRecord, t: Timings, image: Path, stopped: Instance | None, what: str
     ) -> None:
-        """Restores a checkpointed, sealed sandbox in its own network slot (same address for
-        everyone). A sandbox that does not come back is marked lost."""
+        """Restores a sandbox from `image` under its own id: in its own network slot when
+        `stopped` is its stopped container (same address for everyone), else in a fresh one.
+        A sandbox that does not come back is marked lost (`what`: after which operation)."""
         try:
             await self.boot(r, t, image=image, reuse=stopped, init=False)
         except BaseException as e:
-            await self.destroy_quietly(stopped)
+            if stopped is not None:
+                await self.destroy_quietly(stopped)
             r.state = SandboxState.LOST
-            r.note = f"restoring it after a snapshot failed: {e}"
+            r.note = f"restoring it {what} failed: {e}"
             await self.table.save(r)
             raise
 

@@ -74,13 +74,7 @@ class Rollbacks:
             r.layers = list(snap.layers)
             r.upper = str(await asyncio.to_thread(storage.new_upper, sandbox_id))
             r.copied_as, r.copied_upper = [], None
-            try:
-                await self.booter.boot(r, t, image=image, init=False)
-            except BaseException as e:
-                r.state = SandboxState.LOST
-                r.note = f"restoring it from snapshot {snapshot} failed: {e}"
-                await self.table.save(r)
-                raise
+            await self.booter.restore_in_place(r, t, image, None, f"from snapshot {snapshot}")
             await self.table.save(r)
         gone = [d for d in old_layers if d not in r.layers]
         await asyncio.to_thread(storage.unhold, "sandbox", sandbox_id, gone)

@@ -408,7 +408,7 @@ class Snapshotter:
     ) -> None:
         """Brings the sandbox back after its checkpoint; `save`: the record is saved with its
         new container, `last`: which ends the operation (the snapshot is registered)."""
-        await self.booter.restore_in_place(r, t, image, stopped)
+        await self.booter.restore_in_place(r, t, image, stopped, "after a snapshot")
         crashpoint.hit("snapshot.restored")
         if refreeze:
             assert r.instance is not None
