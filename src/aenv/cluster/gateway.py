@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import re
 from typing import Any
@@ -36,9 +35,11 @@ from ..proxy.dispatch import SandboxRouter
 from ..serving import Lifespan
 from ..telemetry import set_route
 from .aggregate import BulkJoin, merge_pages, node_view
+from .answers import json_list, json_object, plain
 from .directory import Directory, NodeLost
 from .forward import NodeClient, NodeError, NodeUnreachable
 from .gwevents import GatewayEvents
+from .gwtemplates import GatewayTemplates
 from .metrics import GatewayMetrics, route_template
 from .records import NodeRecord
 from .scheduler import Placement, Scheduler
@@ -79,6 +80,9 @@ class Gateway:
         self.scheduler = scheduler
         self.metrics = metrics or GatewayMetrics()
         self.events = GatewayEvents(state, directory, nodes)
+        self.templates = GatewayTemplates(
+            settings, state, directory, nodes, scheduler, self.metrics
+        )
 
     # ------------------------------------------------------------------ entry
     async def handle(self, request: Request) -> Response:
@@ -120,28 +124,28 @@ class Gateway:
         if method == "GET" and path in ("/templates", "/v2/templates"):
             return await self._merged(request, "createdAt", "templateID")
         if method == "POST" and path in _BUILD_REQUESTS:
-            return await self._build_request(request)
+            return await self.templates.build_request(request)
         if path == "/nodes" and method == "GET":
             return await self._nodes()
         if m := _NODE.match(path):
             return await self._node(request, m.group(1))
         if m := _FILES_LINK.match(path):
-            return await self._files_link(request, m.group(1), m.group(2))
+            return await self.templates.files_link(request, m.group(1), m.group(2))
         if m := _BUILD_FILES.match(path):
-            node = await self._node_of_files(m.group(1))
+            node = await self.templates.node_of_files(m.group(1))
             return self.nodes.passthrough(request, node)
         if path == "/templates/tags" and method in ("POST", "DELETE"):
-            return await self._tags(request)
+            return await self.templates.tags(request)
         if m := _TEMPLATE.match(path):
-            return await self._template(request, m.group(1))
+            return await self.templates.template(request, m.group(1))
         if m := _SNAPSHOT.match(path):
-            return await self._template(request, m.group(1))
+            return await self.templates.template(request, m.group(1))
         return self.nodes.passthrough(request, await self.directory.any_node())
 
     # ------------------------------------------------------------------ sandboxes
     async def _create(self, request: Request) -> Response:
         body = await request.body()
-        doc = _json(body)
+        doc = json_object(body)
         place = Placement(
             template_id=str(doc.get("templateID") or doc.get("image") or DEFAULT_TEMPLATE),
             cpu_count=int(doc.get("cpuCount") or self.settings.default_cpu_count),
@@ -163,12 +167,12 @@ class Gateway:
                 self.metrics.placed("sandbox", "failed")
                 raise
             if resp.status_code < 400:
-                sandbox_id = _json(resp.content).get("sandboxID")
+                sandbox_id = json_object(resp.content).get("sandboxID")
                 if isinstance(sandbox_id, str):
                     await self.directory.bind(sandbox_id, node.node_id)
                 self.metrics.placed("sandbox", "placed")
-                return _plain(resp)
-            last = _plain(resp)
+                return plain(resp)
+            last = plain(resp)
             # Full, draining, or a template only another node has yet: try another node.
             if resp.status_code not in (404, 409, 429, 503, 507):
                 self.metrics.placed("sandbox", "failed")
@@ -191,29 +195,29 @@ class Gateway:
                 raise
             # Not a sandbox: aenv's fork of a snapshot by id or name (docs/fork-tree.md),
             # sent where that snapshot is, as a create from it would be.
-            node = await self._node_of_template(sandbox_id)
+            node = await self.templates.node_of(sandbox_id)
         if fork:
             resp = await self.nodes.send(request, node)
-            for item in _json_list(resp.content):
+            for item in json_list(resp.content):
                 child = (item.get("sandbox") or {}).get("sandboxID")
                 if isinstance(child, str):
                     await self.directory.bind(child, node.node_id)
-            return _plain(resp)
+            return plain(resp)
         if request.method == "POST" and rest == "/snapshots":
             resp = await self.nodes.send(request, node)
-            snap = _json(resp.content).get("snapshotID")
+            snap = json_object(resp.content).get("snapshotID")
             if resp.status_code < 400 and isinstance(snap, str):
                 # Creates from it go to this node until the repository has it.
-                for key in (snap, _json(await request.body()).get("name")):
+                for key in (snap, json_object(await request.body()).get("name")):
                     if isinstance(key, str) and key:
                         await self.state.bind_template(key, node.node_id)
-            return _plain(resp)
+            return plain(resp)
         if request.method == "DELETE" and not rest:
             resp = await self.nodes.send(request, node)
             if resp.status_code < 300:
                 await self.state.unbind(sandbox_id)
                 self.directory.forget(sandbox_id)
-            return _plain(resp)
+            return plain(resp)
         return self.nodes.passthrough(request, node)
 
     async def _release(self, node: NodeRecord, sandbox_id: str) -> str | None:
@@ -239,74 +243,6 @@ class Gateway:
     def _key(self) -> str | None:
         return self.settings.api_key
 
-    # ------------------------------------------------------------------ templates
-    async def _build_request(self, request: Request) -> Response:
-        body = await request.body()
-        nodes = await self.directory.schedulable()
-        if not nodes:
-            self.metrics.placed("build", "no_node")
-        node = self.scheduler.place(
-            Placement("", self.settings.default_cpu_count, self.settings.default_memory_mb),
-            nodes,
-        )
-        try:
-            resp = await self.nodes.send(request, node, body=body)
-        except NodeUnreachable:
-            self.metrics.placed("build", "failed")
-            raise
-        self.metrics.placed("build", "placed" if resp.status_code < 400 else "failed")
-        template_id = _json(resp.content).get("templateID")
-        if resp.status_code < 400 and isinstance(template_id, str):
-            await self.state.bind_template(template_id, node.node_id)
-            for name in _json(body).get("name"), _json(body).get("alias"):
-                if isinstance(name, str) and name:
-                    await self.state.bind_template(name, node.node_id)
-        return _plain(resp)
-
-    async def _template(self, request: Request, template_id: str) -> Response:
-        node = await self._node_of_template(template_id)
-        if request.method in ("DELETE", "PATCH"):
-            # Every node's catalog knows a template it learned from the repository: a
-            # change (public, names) or a delete is made on all of them; its node answers.
-            body = await request.body()
-            first = await self.nodes.send(request, node, body=body)
-            others = [n for n in await self.directory.healthy() if n.node_id != node.node_id]
-            await asyncio.gather(
-                *(self.nodes.send(request, n, body=body) for n in others),
-                return_exceptions=True,
-            )
-            return _plain(first)
-        return self.nodes.passthrough(request, node)
-
-    async def _tags(self, request: Request) -> Response:
-        """Tags are assigned (`target`) or removed (`name`) where the template's builds are."""
-        body = await request.body()
-        doc = _json(body)
-        name = doc.get("target") or doc.get("name")
-        node = await (self._node_of_template(str(name)) if name else self.directory.any_node())
-        return _plain(await self.nodes.send(request, node, body=body))
-
-    async def _node_of_template(self, template_id: str) -> NodeRecord:
-        name = template_id.split(":", 1)[0]
-        for key in (template_id, name):
-            node_id = await self.state.template_node(key)
-            if node_id is not None:
-                try:
-                    node = await self.directory.node(node_id)
-                except NotFound:
-                    continue
-                if node.healthy:
-                    return node
-        return await self.directory.any_node()
-
-    async def _files_link(self, request: Request, template_id: str, files_hash: str) -> Response:
-        node = await self._node_of_template(template_id)
-        await self.state.bind_template(f"files:{files_hash}", node.node_id)
-        return self.nodes.passthrough(request, node)
-
-    async def _node_of_files(self, files_hash: str) -> NodeRecord:
-        return await self._node_of_template(f"files:{files_hash}")
-
     # ------------------------------------------------------------------ listings
     async def _merged(
         self, request: Request, time_field: str, id_field: str, order_default: str = "asc"
@@ -321,8 +257,8 @@ class Gateway:
                 log.warning("listing on node %s failed: %s", node.node_id, a)
                 continue
             if a.status_code >= 400:
-                return _plain(a)  # a bad query or key is the client's, the same everywhere
-            pages.append((_json_list(a.content), bool(a.headers.get("x-next-token"))))
+                return plain(a)  # a bad query or key is the client's, the same everywhere
+            pages.append((json_list(a.content), bool(a.headers.get("x-next-token"))))
         limit = request.query_params.get("limit")
         order = request.query_params.get("order", order_default)
         items, token = merge_pages(
@@ -348,7 +284,7 @@ class Gateway:
         for a in answers:
             if isinstance(a, BaseException) or a.status_code >= 400:
                 continue
-            for key, value in _json(a.content).items():
+            for key, value in json_object(a.content).items():
                 if isinstance(value, dict):
                     merged.setdefault(key, {}).update(value)
                 elif isinstance(value, list):
@@ -369,8 +305,8 @@ class Gateway:
                 log.warning("bulk %s on node %s failed: %s", request.url.path, node.node_id, a)
                 joined.unreachable.append(node.node_id)
             elif a.status_code >= 400:
-                return _plain(a)  # an empty query or a bad body: the same on every node
-            elif (ids := joined.add(_json(a.content))) and request.method == "DELETE":
+                return plain(a)  # an empty query or a bad body: the same on every node
+            elif (ids := joined.add(json_object(a.content))) and request.method == "DELETE":
                 for sandbox_id in ids:  # killed: unbound, as a kill of one is
                     await self.state.unbind(sandbox_id)
                     self.directory.forget(sandbox_id)
@@ -399,12 +335,12 @@ class Gateway:
     async def _node(self, request: Request, node_id: str) -> Response:
         node = await self.directory.node(node_id)
         if request.method == "POST":
-            status = _json(await request.body()).get("status")
+            status = json_object(await request.body()).get("status")
             if status not in ("ready", "draining"):
                 raise BadRequest("status must be ready or draining")
             await self.state.set_status(node_id, str(status))
             self.directory.invalidate()  # seen at once by this gateway's next placement
-        return _plain(await self.nodes.send(request, node))
+        return plain(await self.nodes.send(request, node))
 
 
 class GatewayRouter(SandboxRouter):
@@ -444,32 +380,6 @@ def routing_error(e: AenvError) -> str | None:
 def _upstream(node: NodeRecord) -> Upstream:
     u = urlsplit(node.url)
     return Upstream(u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80))
-
-
-def _json(raw: bytes) -> dict[str, Any]:
-    try:
-        doc = json.loads(raw or b"{}")
-    except ValueError:
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
-def _json_list(raw: bytes) -> list[dict[str, Any]]:
-    try:
-        doc = json.loads(raw or b"[]")
-    except ValueError:
-        return []
-    return [d for d in doc if isinstance(d, dict)] if isinstance(doc, list) else []
-
-
-def _plain(resp: Any) -> Response:
-    headers = {
-        k: v
-        for k, v in resp.headers.items()
-        if k.lower()
-        not in ("content-length", "transfer-encoding", "connection", "content-encoding")
-    }
-    return Response(resp.content, status_code=resp.status_code, headers=headers)
 
 
 def create_gateway_app(
