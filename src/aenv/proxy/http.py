@@ -48,6 +48,7 @@ from ._common import (
     reset_client,
     send_json,
 )
+from .http1 import UpstreamProtocolError, describe, parse_head
 from .pool import Connection, ConnectionPool
 
 log = logging.getLogger(__name__)
@@ -60,38 +61,8 @@ _REPLAY_LIMIT = 1 << 16  # request bytes kept for a retry on a fresh connection
 CLIENT_GONE_WAIT = 1.0
 
 
-class UpstreamProtocolError(Exception):
-    """The sandbox answered with something that is not HTTP/1.x."""
-
-
 class _Retry(Exception):
     """A reused connection was dead before it answered; the request may go again."""
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "connect timed out"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, asyncio.IncompleteReadError):
-        return "connection closed early"
-    return str(exc) or type(exc).__name__
-
-
-def _parse_head(data: bytes) -> tuple[bytes, int, Headers]:
-    lines = data.split(b"\r\n")
-    version, _, rest = lines[0].partition(b" ")
-    if not version.startswith(b"HTTP/1.") or len(rest) < 3 or not rest[:3].isdigit():
-        raise UpstreamProtocolError(f"bad status line {lines[0][:80]!r}")
-    headers: Headers = []
-    for line in lines[1:]:
-        if not line:
-            continue
-        name, sep, value = line.partition(b":")
-        if not sep or not name or name != name.strip():
-            raise UpstreamProtocolError(f"bad header line {line[:80]!r}")
-        headers.append((name.lower(), value.strip()))
-    return version, int(rest[:3]), headers
 
 
 class HttpForwarder:
@@ -296,7 +267,7 @@ class _Exchange:
                 )
             except (OSError, TimeoutError) as exc:
                 self._cancel_client_side()
-                await self._fail_before_response(_describe(exc))
+                await self._fail_before_response(describe(exc))
                 return
             self.conn = conn
             if fresh:
@@ -327,7 +298,7 @@ class _Exchange:
             ) as exc:
                 self._cancel_client_side()
                 conn.abort()
-                await self._fail_before_response(_describe(exc))
+                await self._fail_before_response(describe(exc))
                 return
 
         await self._relay_response(conn, version, status, raw_headers)
@@ -365,7 +336,7 @@ class _Exchange:
                     raise _Retry from exc
                 raise
             first = False
-            version, status, headers = _parse_head(data)
+            version, status, headers = parse_head(data)
             if 100 <= status < 200:
                 if status == 101:
                     raise UpstreamProtocolError("unexpected 101 Switching Protocols")
@@ -474,7 +445,7 @@ class _Exchange:
                     "proxy: sandbox %s port %s: upstream response broken off: %s",
                     self.target.sandbox_id,
                     self.target.sandbox_port,
-                    _describe(exc),
+                    describe(exc),
                 )
 
     async def _relay_chunked(
