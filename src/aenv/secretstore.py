@@ -33,17 +33,15 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from .config import Settings
 from .config.sections import SECRETS_KEY_BYTES as KEY_BYTES
 from .config.sections import parse_secrets_key
 from .errors import BadRequest, Conflict, InternalError, NotFound
 from .fsutil import write_private
-
-if TYPE_CHECKING:
-    from .config import Settings
 
 log = logging.getLogger("aenv.secrets")
 
