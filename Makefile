@@ -12,6 +12,7 @@ install: system venv console base
 
 system:
 	@scripts/install-system.sh
+	@scripts/install-guest-kernel.sh
 
 venv: $(STAMP)
 

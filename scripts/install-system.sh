@@ -4,7 +4,7 @@
 set -eu
 
 PKGS="runsc debootstrap iproute2 iptables util-linux e2fsprogs btrfs-progs procps ca-certificates gcc libc6-dev \
-curl redis-server docker-registry skopeo psmisc python3-venv busybox-static \
+qemu-system-x86 curl redis-server docker-registry skopeo psmisc python3-venv busybox-static \
 chromium fonts-liberation prometheus"
 
 missing=""

@@ -46,6 +46,9 @@ TAGS = (
     "s3b",  # test_durable.py, second node
     "prm",  # test_prometheus_scrape.py
     "sec",  # test_secrets_egress.py
+    "qco",  # test_runtime_qemu.py (the contract under QEMU)
+    "qcr",  # test_runtime_qemu.py, restart
+    "qsd",  # test_sdk_qemu.py (a node on the QEMU backend)
 )
 _FIRST_SLOT_NET = ipaddress.IPv4Address("10.234.0.0")
 _PER_SESSION = 32  # SESSIONS * 32 /20s end at 10.249.255.255

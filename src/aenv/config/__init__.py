@@ -92,9 +92,9 @@ class Settings(BaseSettings):
     disk_spares: int = 2
     # Where layers and uppers live, chosen at a home's first start (`runtime/storage/cowpool.py`).
     storage: Literal["auto", "btrfs", "ext4"] = "auto"
-    # The runtime backend (`runtime/select.py`): gVisor, or the in-memory fake (tests: no
-    # sandbox ever boots, as nothing answers inside).
-    runtime: Literal["gvisor", "fake"] = "gvisor"
+    # The runtime backend (`runtime/select.py`): gVisor, QEMU microVMs, or the in-memory fake
+    # (tests: no sandbox ever boots, as nothing answers inside).
+    runtime: Literal["gvisor", "qemu", "fake"] = "gvisor"
     default_timeout: int = 300
     max_timeout: int = 24 * 3600
     # Build `code-interpreter-v1` in the background at start when it is missing or out of
@@ -180,6 +180,12 @@ class Settings(BaseSettings):
     # Each network slot takes a /30 of this range for its host-side address.
     net_cidr: str = "10.200.0.0/16"
     net_pool_size: int = 4
+    # The QEMU backend (`runtime/qemu/`): the guest kernel and its modules
+    # (scripts/install-guest-kernel.sh), and the accelerator: "auto" probes KVM once per host
+    # boot and falls back to TCG emulation.
+    qemu: str = "qemu-system-x86_64"
+    qemu_guest_dir: Path = Path("/usr/local/lib/aenv/guest")
+    qemu_accel: Literal["auto", "kvm", "tcg"] = "auto"
     # Where volumes live (`/volumes`): one directory per volume, its metadata beside its
     # files, nothing about them elsewhere, so it may be a file system nodes share (NFS...).
     # None: $AENV_HOME/volumes.

@@ -9,9 +9,11 @@ from ..config import Settings
 from .base import Runtime
 from .fake import FakeRuntime
 from .gvisor import GVisorRuntime
+from .qemu import QemuRuntime
 
 BACKENDS: dict[str, Callable[[Settings], Runtime]] = {
     "gvisor": GVisorRuntime,
+    "qemu": QemuRuntime,
     "fake": lambda _settings: FakeRuntime(),
 }
 
