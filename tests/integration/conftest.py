@@ -71,13 +71,14 @@ class Server:
 
 
 def _wipe_runtime(env: dict[str, str]) -> None:
-    """Remove every container, netns, veth and mount this session's settings own."""
+    """Remove every sandbox (container or VM), netns, veth and mount this session's settings
+    own, with the backend the settings name."""
     code = (
         "import asyncio\n"
         "from aenv.config import Settings\n"
-        "from aenv.runtime.gvisor import GVisorRuntime\n"
+        "from aenv.runtime.select import make_runtime\n"
         "async def main():\n"
-        "    rt = GVisorRuntime(Settings(net_pool_size=0))\n"
+        "    rt = make_runtime(Settings(net_pool_size=0))\n"
         "    await rt.purge()\n"
         "asyncio.run(main())\n"
     )

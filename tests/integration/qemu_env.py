@@ -32,9 +32,7 @@ def missing() -> str | None:
 
 
 def make_settings(home: Path, prefix: str, cidr: str, pool: int = 2) -> Settings:
-    return Settings(
-        home=home, net_prefix=prefix, net_cidr=cidr, net_pool_size=pool, runtime="qemu"
-    )
+    return Settings(home=home, net_prefix=prefix, net_cidr=cidr, net_pool_size=pool, runtime="qemu")
 
 
 def qemu_processes(settings: Settings) -> list[int]:

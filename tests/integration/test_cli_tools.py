@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import stat
 import subprocess
 import threading
@@ -107,6 +108,8 @@ def test_auth_status_and_precedence(server: Server, tmp_path: Path) -> None:
     info = json.loads(run(["status", "-o", "json"], env).stdout)
     assert info["reachable"] and info["authenticated"] and info["serverVersion"]
     assert isinstance(info["sandboxes"], dict) and info["nodes"][0]["cpuCount"] >= 1
+    assert info["nodes"][0]["runtime"] == {"backend": "gvisor", "accelerator": "systrap"}
+    assert re.search(r"backend +gvisor \(systrap\)", status)
 
     # The environment overrides the file: a bad key there fails, even with good stored ones.
     res = run(["ls"], dict(env, AENV_API_KEY="e2b_wrong"), check=False)

@@ -108,6 +108,7 @@ def test_node_view_and_prometheus(sbx: Sandbox, e2b_env: Server) -> None:
     assert m["memoryTotalBytes"] > m["memoryUsedBytes"] > 0 and m["cpuCount"] >= 1
     assert m["disks"][0]["totalBytes"] > m["disks"][0]["usedBytes"] > 0
     assert node["machineInfo"]["cpuArchitecture"]
+    assert node["runtime"]["backend"] == "gvisor"
     assert sbx.sandbox_id in [s["sandboxID"] for s in detail["sandboxes"]]
     assert prom.status_code == 200
     samples = {

@@ -136,6 +136,9 @@ class Node(ApiResponse):
     # Ours: sandboxes by lifecycle state (`creating`, `running`, `paused`...) and paused
     # ones by tier (`paused_frozen`, `paused_hibernated`, `paused_files`).
     sandbox_counts: dict[str, int] = Field(alias="sandboxCounts")
+    # Ours: the isolation backend (`gvisor`, `qemu`) and its accelerator (gVisor's platform,
+    # `kvm` or `tcg` for QEMU).
+    runtime: dict[str, str] = Field(default_factory=dict)
 
     @classmethod
     def _fields(cls, n: NodeInfo) -> dict[str, object]:
@@ -166,6 +169,7 @@ class Node(ApiResponse):
             "commit": "",
             "machineInfo": MachineInfo(**n.machine),
             "sandboxCounts": n.counts,
+            "runtime": n.runtime,
         }
 
     @classmethod

@@ -212,6 +212,7 @@ def _node_summary(n: dict[str, Any]) -> dict[str, Any]:
         "allocatedMemoryMB": _mb(m.get("allocatedMemoryBytes")),
         "memoryBudgetMB": _mb(m.get("memoryBudgetBytes")),
         "sandboxCounts": n.get("sandboxCounts") or {"running": n.get("sandboxCount", 0)},
+        "runtime": n.get("runtime") or {},
     }
 
 
@@ -248,6 +249,10 @@ def _status_table(info: dict[str, Any]) -> Table:
             f"{format_mb(n.get('allocatedMemoryMB'))} allocated"
             + (f" of a {format_mb(budget)} budget" if budget else ""),
         )
+        rt = n.get("runtime") or {}
+        if rt.get("backend"):
+            accel = f" ({rt['accelerator']})" if rt.get("accelerator") else ""
+            row("  backend", f"{rt['backend']}{accel}")
     if "sandboxes" in info:
         counts = info["sandboxes"]
         text = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "none"

@@ -140,6 +140,7 @@ class Orchestrator:
             settings.home,
             lambda: ctx.closing or ctx.draining,
             cache_sizes(storage, durable),
+            runtime.describe,
         )
         stats.node_id = settings.cluster_node_id
         stats.service_instance_id = ctx.run_id

@@ -62,6 +62,8 @@ class NodeInfo:
     paused_memory_bytes: int
     disks: list[DiskInfo]
     machine: dict[str, str]
+    # The isolation backend and what runs its sandboxes (`Runtime.describe`).
+    runtime: dict[str, str]
     # Internal states (creating, running, paused...) and pause tiers (paused_frozen...).
     counts: dict[str, int]
     create_successes: int
@@ -86,11 +88,13 @@ class NodeStats:
         home: Path,
         is_closing: Callable[[], bool],
         cache_sizes: Callable[[], dict[str, int]] | None = None,
+        runtime: Callable[[], dict[str, str]] | None = None,
     ) -> None:
         self.table = table
         self.home = home
         self.is_closing = is_closing
         self.cache_sizes = cache_sizes or (lambda: {})
+        self.runtime = runtime or (lambda: {})
         self.node_id = socket.gethostname().split(".")[0] or "aenv"
         self.service_instance_id = ""
         self.started_at = datetime.now(UTC)
@@ -195,6 +199,7 @@ class NodeStats:
             paused_memory_bytes=sum(r.memory_mb for r in paused) * MIB,
             disks=[d for d in [_disk(self.home)] if d is not None],
             machine=_machine(),
+            runtime=self.runtime(),
             counts=dict(counts),
             create_successes=self.create_successes,
             create_fails=self.create_fails,

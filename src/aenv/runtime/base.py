@@ -65,6 +65,11 @@ class Runtime(abc.ABC):
 
     name: str = "abstract"
 
+    def describe(self) -> dict[str, str]:
+        """What `GET /nodes` and `aenv status` show of the backend: its name and what runs
+        the sandboxes' code (gVisor's platform, QEMU's accelerator), once started."""
+        return {"backend": self.name, "accelerator": ""}
+
     @abc.abstractmethod
     async def start(self, keep: set[str]) -> dict[str, Instance]:
         """Prepare the host (pools, NAT) and reconcile after a crash.

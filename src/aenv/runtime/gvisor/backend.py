@@ -121,6 +121,9 @@ class GVisorRuntime(Runtime):
         self._live.clear()
         await self.reconciler.purge()
 
+    def describe(self) -> dict[str, str]:
+        return {"backend": self.name, "accelerator": self.settings.runsc_platform}
+
     # Handles -----------------------------------------------------------------------------
 
     def _parse(self, inst: Instance) -> Container:
