@@ -30,6 +30,7 @@ from .rollouts_raw import RawRollouts
 from .scenarios import ServerRows
 from .scenarios_forktree import FORKTREE_ROWS
 from .scenarios_lifecycle import RUNNING_ROWS
+from .scenarios_qemu import QEMU_ENV, QEMU_ROWS, QemuRows
 from .server import BenchServer, build_base, remove_home
 from .stats import Results
 from .thousand import ENV as THOUSAND_ENV
@@ -316,6 +317,38 @@ class Run:
         finally:
             await self.stop_server(server, api)
 
+    async def qemu_phase(self) -> None:
+        """The QEMU backend's rows, on a server of its own (bench/scenarios_qemu.py)."""
+        rows = [r for r in QEMU_ROWS if self.want(r)]
+        if not rows:
+            return
+        if self.opts.url:
+            self.results.missing(rows, "needs a server the bench starts (AENV_RUNTIME=qemu)")
+            return
+        try:
+            server = await self.start_server("qemu", QEMU_ENV)
+        except RuntimeError as exc:
+            self.results.missing(rows, f"the server did not start: {_first_line(exc)}")
+            return
+        self.config["qemu_server"] = {"env": QEMU_ENV}
+        api = self.api(server.url, server.api_key)
+        meter = CpuMeter(server.env["AENV_NET_PREFIX"], server.proc.pid if server.proc else None)
+        qr = QemuRows(
+            api,
+            self.results,
+            self.plan,
+            self.progress,
+            want=self.want,
+            home=server.home,
+            meter=meter,
+        )
+        try:
+            await self.guard(rows, "warm-up (qemu server)", qr.warmup)
+            await self.guard(rows, "qemu", qr.qemu_rows)
+        finally:
+            await qr.drain()
+            await self.stop_server(server, api)
+
     async def baseline_phase(self) -> None:
         if not self.opts.baseline:
             return
@@ -423,6 +456,7 @@ async def _run(opts: Options, progress: Progress | None) -> dict[str, Any]:
         await r.timed("main_phase", r.main_phase)
         await r.timed("cold_phase", r.cold_phase)
         await r.timed("thousand_phase", r.thousand_phase)
+        await r.timed("qemu_phase", r.qemu_phase)
         await r.timed("baseline_phase", r.baseline_phase)
     finally:
         await asyncio.shield(r.cleanup())

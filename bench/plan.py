@@ -69,12 +69,19 @@ class Plan:
     op_timeout: float | None = None
     child_timeout: float = 30.0
     mode: str = "full"
+    # The QEMU rows (bench/scenarios_qemu.py): samples of each, idle VMs and their window.
+    qemu: int = 5
+    qemu_idle: int = 4
+    qemu_idle_window: float = 30.0
 
     @classmethod
     def quick(cls) -> Plan:
         return cls(
             create=3,
             create_cold=3,
+            qemu=2,
+            qemu_idle=2,
+            qemu_idle_window=10.0,
             exec=8,
             files=4,
             pause=4,

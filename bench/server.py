@@ -137,8 +137,8 @@ async def purge(env: dict[str, str]) -> None:
     code = (
         "import asyncio\n"
         "from aenv.config import Settings\n"
-        "from aenv.runtime.gvisor import GVisorRuntime\n"
-        "asyncio.run(GVisorRuntime(Settings(net_pool_size=0)).purge())\n"
+        "from aenv.runtime.select import make_runtime\n"
+        "asyncio.run(make_runtime(Settings(net_pool_size=0)).purge())\n"
     )
     with contextlib.suppress(subprocess.TimeoutExpired, OSError):
         await asyncio.to_thread(

@@ -21,9 +21,10 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def cgroup_dirs(cgroup: str) -> list[Path]:
-    """The VM's cgroup in each hierarchy it uses: v1's cpu and memory, or the v2 one."""
+    """The VM's cgroup in each hierarchy it uses: v1's cpu, cpuacct (its CPU counted where
+    the node's meters read it) and memory, or the v2 one."""
     rel = cgroup.strip("/")
-    v1 = [CGROUP_ROOT / c / rel for c in ("cpu", "memory") if (CGROUP_ROOT / c).is_dir()]
+    v1 = [CGROUP_ROOT / c / rel for c in ("cpu", "cpuacct", "memory") if (CGROUP_ROOT / c).is_dir()]
     return v1 or [CGROUP_ROOT / rel]
 
 
