@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 from aenv.background import Background
 from aenv.config import Settings
@@ -23,7 +21,7 @@ from aenv.runtime import _proc
 from aenv.runtime.base import Instance, Runtime, SandboxSpec, Stats
 from aenv.runtime.net.egress_ca import EgressCA
 from aenv.runtime.net.network import Network, Slot, SlotAddressing, SlotPool
-from aenv.runtime.qemu import disks, guest, qmp, vmproc
+from aenv.runtime.qemu import disks, guest, image, qmp, vmproc
 from aenv.runtime.qemu.machine import (
     Control,
     Drive,
@@ -37,10 +35,6 @@ from aenv.runtime.qemu.recovery import recover
 from aenv.runtime.rootfs import RootfsMounts
 
 log = logging.getLogger("aenv.runtime")
-
-# A checkpoint image: what QEMU saved, the guest's disk and RAM (when it was a file of its
-# own), and this record, written last (`image_complete`).
-IMAGE_RECORD = "qemu.json"
 
 
 class QemuRuntime(Runtime):
@@ -132,11 +126,7 @@ class QemuRuntime(Runtime):
         return self._view(inst).stopped
 
     def image_complete(self, image_dir: Path) -> bool:
-        try:
-            record = json.loads((image_dir / IMAGE_RECORD).read_text())
-        except (OSError, ValueError):
-            return False
-        return record.get("backend") == "qemu" and (image_dir / "state").is_file()
+        return image.complete(image_dir)
 
     # Sandboxes ---------------------------------------------------------------------------
 
@@ -154,9 +144,9 @@ class QemuRuntime(Runtime):
         if not self._started or self.boot is None:
             raise RuntimeFailure("the qemu runtime is not started")
         vm_id = new_machine_id(spec.sandbox_id)
-        image: dict[str, Any] = {}
+        record: image.ImageRecord | None = None
         if image_dir is not None:
-            image = await asyncio.to_thread(self._image_record, image_dir)
+            record = await asyncio.to_thread(image.read, image_dir, self.accel)
         if spec.upper is not None and not await asyncio.to_thread(spec.upper.is_dir):
             raise RuntimeFailure(f"upper dir {spec.upper} does not exist")
         for mnt in spec.mounts:
@@ -188,13 +178,12 @@ class QemuRuntime(Runtime):
             )
             await asyncio.to_thread(m.dir.mkdir, parents=True)
             net = self._ready_slot(slot, spec.egress or EgressPolicy())
-            files = (
-                self._files_from_image(m, image_dir, image)
-                if image_dir
-                else self._files_for(m, spec)
-            )
+            if image_dir is not None and record is not None:
+                files = self._files_from_image(m, image_dir, record)
+            else:
+                files = self._files_for(m, spec)
             await asyncio.gather(net, files)
-            await self._start_vm(m, image_dir, image)
+            await self._start_vm(m, image_dir, record)
         except BaseException:
             if m is not None:
                 with contextlib.suppress(Exception):
@@ -211,21 +200,6 @@ class QemuRuntime(Runtime):
             await asyncio.to_thread(shutil.rmtree, held.dir, True)
         self._live[m.id] = m
         return m.handle()
-
-    def _image_record(self, image_dir: Path) -> dict[str, Any]:
-        if not self.image_complete(image_dir):
-            other = image_dir.is_dir() and any(image_dir.iterdir())
-            raise RuntimeFailure(
-                f"no complete qemu checkpoint image at {image_dir}"
-                + (" (another backend's image?)" if other else "")
-            )
-        record: dict[str, Any] = json.loads((image_dir / IMAGE_RECORD).read_text())
-        if record.get("accel") != self.accel:
-            raise RuntimeFailure(
-                f"image {image_dir} was made under {record.get('accel')}, this node runs "
-                f"{self.accel}"
-            )
-        return record
 
     def _claim_stopped(self, reuse: Instance, spec: SandboxSpec) -> Machine:
         held = self._live.get(reuse.id)
@@ -274,24 +248,22 @@ class QemuRuntime(Runtime):
         data = config_script(spec, m.mounts)
         await asyncio.to_thread(m.config_disk.write_bytes, data)
 
-    async def _files_from_image(self, m: Machine, image_dir: Path, image: dict[str, Any]) -> None:
+    async def _files_from_image(
+        self, m: Machine, image_dir: Path, record: image.ImageRecord
+    ) -> None:
         """A restored VM's disks: the image's own copies, the shared images it names."""
-        m.base = Path(str(image["base"]))
-        m.mounts = [
-            Drive(d["serial"], Path(d["path"]), d["destination"]) for d in image.get("mounts") or []
-        ]
-        for p in (m.base, *(d.path for d in m.mounts)):
-            if not await asyncio.to_thread(p.exists):
-                raise RuntimeFailure(f"image {image_dir} needs {p}, which this node lacks")
-        m.cpu_count, m.memory_mb = int(str(image["cpu_count"])), int(str(image["memory_mb"]))
-        if image.get("memory") == "file":
-            m.ram, m.ram_shared = image_dir / "memory", False
+        m.base, m.mounts = record.base, list(record.mounts)
+        m.cpu_count, m.memory_mb = record.cpu_count, record.memory_mb
+        if record.memory_file:  # mapped privately: its pages shared until written
+            m.ram, m.ram_shared = image_dir / image.MEMORY, False
         await asyncio.gather(
-            disks.copy_file(image_dir / "disk.img", m.disk),
-            disks.copy_file(image_dir / "config.img", m.config_disk),
+            disks.copy_file(image_dir / image.DISK, m.disk),
+            disks.copy_file(image_dir / image.CONFIG, m.config_disk),
         )
 
-    async def _start_vm(self, m: Machine, image_dir: Path | None, image: dict[str, Any]) -> None:
+    async def _start_vm(
+        self, m: Machine, image_dir: Path | None, record: image.ImageRecord | None
+    ) -> None:
         assert self.boot is not None
         t0 = time.perf_counter()
         await asyncio.to_thread(make_pipes, m)
@@ -311,16 +283,14 @@ class QemuRuntime(Runtime):
         m.pid = await asyncio.to_thread(vmproc.read_pid, m)
         m.started_at = time.time()
         await asyncio.to_thread(vmproc.confine, m)
-        if image_dir is not None:
+        if image_dir is not None and record is not None:
             m.restored_from = str(image_dir)
             await qmp.call(
                 m.qmp,
                 "migrate-set-capabilities",
-                capabilities=[
-                    {"capability": "x-ignore-shared", "state": bool(image.get("ignore_shared"))}
-                ],
+                capabilities=[{"capability": "x-ignore-shared", "state": record.memory_file}],
             )
-            await qmp.call(m.qmp, "migrate-incoming", uri=f"exec:cat {image_dir / 'state'}")
+            await qmp.call(m.qmp, "migrate-incoming", uri=f"exec:cat {image_dir / image.STATE}")
             await qmp.wait_migration(m.qmp)
             if await qmp.status(m.qmp) != "running":
                 await qmp.call(m.qmp, "cont")
@@ -432,7 +402,7 @@ class QemuRuntime(Runtime):
         m = self._running(inst)
         t0 = time.perf_counter()
         await asyncio.to_thread(image_dir.mkdir, parents=True, exist_ok=True)
-        await asyncio.to_thread((image_dir / IMAGE_RECORD).unlink, missing_ok=True)
+        await asyncio.to_thread((image_dir / image.RECORD).unlink, missing_ok=True)
         if await qmp.status(m.qmp) == "running":
             await self._sync_guest(m)
             await qmp.call(m.qmp, "stop")
@@ -443,29 +413,17 @@ class QemuRuntime(Runtime):
             "migrate-set-capabilities",
             capabilities=[{"capability": "x-ignore-shared", "state": m.ram_shared}],
         )
-        await qmp.call(m.qmp, "migrate", uri=f"exec:cat > {image_dir / 'state'}")
+        await qmp.call(m.qmp, "migrate", uri=f"exec:cat > {image_dir / image.STATE}")
         await qmp.wait_migration(m.qmp)
         copies = [
-            disks.copy_file(m.disk, image_dir / "disk.img"),
-            disks.copy_file(m.config_disk, image_dir / "config.img"),
+            disks.copy_file(m.disk, image_dir / image.DISK),
+            disks.copy_file(m.config_disk, image_dir / image.CONFIG),
         ]
         if m.ram_shared:
-            copies.append(disks.copy_file(m.ram, image_dir / "memory"))
+            copies.append(disks.copy_file(m.ram, image_dir / image.MEMORY))
         await asyncio.gather(*copies)
-        record = {
-            "backend": "qemu",
-            "accel": m.accel,
-            "base": str(m.base),
-            "mounts": [
-                {"serial": d.serial, "path": str(d.path), "destination": d.destination}
-                for d in m.mounts
-            ],
-            "cpu_count": m.cpu_count,
-            "memory_mb": m.memory_mb,
-            "memory": "file" if m.ram_shared else "stream",
-            "ignore_shared": m.ram_shared,
-        }
-        await asyncio.to_thread((image_dir / IMAGE_RECORD).write_text, json.dumps(record))
+        written = image.ImageRecord.of(m).to_json()
+        await asyncio.to_thread((image_dir / image.RECORD).write_text, written)
         if hold and m.upper is not None:
             await disks.copy_upper_out(m.disk, m.upper)
         if leave_running and not hold:
