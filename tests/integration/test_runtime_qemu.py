@@ -103,6 +103,11 @@ async def test_a_guest_is_a_vm_with_its_own_kernel_files_and_limits(
         total_kb = int((await sh(inst, "awk '/MemTotal/{print $2}' /proc/meminfo")).strip())
         assert 150_000 < total_kb <= 256 * 1024
         await sh(inst, "echo hello > /root/note; sync")
+        assert spec.upper is not None
+        await sh(inst, "echo live > /root/live")  # not synced by the guest itself
+        await runtime.sync_files(inst)
+        assert (spec.upper / "root" / "live").read_text() == "live\n"
+        assert await runtime.alive(inst) and not await runtime.is_frozen(inst)
         # A process that eats the guest's memory meets the guest's OOM killer; the rest
         # of the sandbox (its httpd, its counter) goes on.
         await sh(inst, "head -c 400m /dev/zero | tail > /dev/null; echo done")

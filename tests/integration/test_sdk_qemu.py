@@ -138,7 +138,7 @@ def test_pause_resume_frozen_and_from_disk(qemu_node: Server, made: list[Sandbox
     rising(back, counter(back))
 
 
-def test_snapshot_and_fork(made: list[Sandbox]) -> None:
+def test_snapshot_fork_diff_and_apply(qemu_node: Server, made: list[Sandbox]) -> None:
     p = Sandbox.create(template="base", timeout=300)
     made.append(p)
     p.commands.run(COUNTER, background=True)
@@ -166,6 +166,18 @@ def test_snapshot_and_fork(made: list[Sandbox]) -> None:
     assert len(seeds) == 2
     assert [k.files.read("/home/user/mine.txt") for k in kids] == ["kid 0", "kid 1"]
     assert not p.files.exists("/home/user/mine.txt")
+    # The fork tree reads a running VM's files on the host: a child's diff from its fork
+    # point, and its change applied to the parent.
+    with qemu_node.client() as http:
+        r = http.get(f"/sandboxes/{kids[0].sandbox_id}/diff")
+        assert r.status_code == 200, r.text
+        assert {(x["path"], x["change"]) for x in r.json()} >= {("/home/user/mine.txt", "added")}
+        r = http.post(
+            f"/sandboxes/{p.sandbox_id}/apply",
+            json={"from": kids[0].sandbox_id, "strategy": "theirs"},
+        )
+        assert r.status_code == 200, r.text
+    assert p.files.read("/home/user/mine.txt") == "kid 0"
     assert Sandbox.delete_snapshot(snap.snapshot_id)
 
 

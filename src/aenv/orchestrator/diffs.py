@@ -31,6 +31,7 @@ from ..images.treediff import (
     tar_file,
     write_tar,
 )
+from ..runtime.base import Runtime
 from ..threadstream import produced
 from .context import NodeContext
 from .envd_pool import EnvdPool
@@ -68,6 +69,7 @@ class TreeDiffs:
     templates: TemplateRegistry
     storage: SandboxStorage
     envd: EnvdPool
+    runtime: Runtime
 
     # -- stacks -------------------------------------------------------------------------
 
@@ -96,6 +98,8 @@ class TreeDiffs:
                 await envd.run("/bin/sync", [], user="root", timeout=60)
         except (AenvError, httpx.HTTPError) as e:
             log.warning("sync in %s before a diff: %s", r.sandbox_id, e)
+        if r.instance is not None:
+            await self.runtime.sync_files(r.instance)
 
     async def _base(self, r: SandboxRecord, base: str | None) -> list[Path]:
         if base in (None, "", FORK_POINT):

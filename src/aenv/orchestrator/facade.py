@@ -167,7 +167,7 @@ class Orchestrator:
         self.sampler = Sampler(table, metrics, idle, logs)
         OomGuard(ctx, table, runtime, envd, logs, stats, events)
         self.mover = Mover(ctx, table, booter, pauser, templates, storage, events)
-        self.diffs = TreeDiffs(ctx, table, templates, storage, envd)
+        self.diffs = TreeDiffs(ctx, table, templates, storage, envd, runtime)
         self.rollbacks = Rollbacks(ctx, table, booter, templates, stats, logs, events)
 
     async def start(self, *, timers: bool = True) -> None:

@@ -145,6 +145,12 @@ class Runtime(abc.ABC):
         the host killed it at its memory limit); None when it cannot."""
         return None
 
+    async def sync_files(self, inst: Instance) -> None:
+        """Makes the `upper` of a running sandbox show every file it wrote so far, for a
+        reader on the host (a diff). A backend whose rootfs writes land there at once
+        (gVisor's host overlay) has nothing to do; a VM's writes are in its own disk."""
+        return None
+
     def on_memory_pressure(self, listener: Callable[[Instance], None]) -> None:
         """`listener(instance)` runs when a running sandbox uses more memory than its size
         (see `runtime/memguard.py`): the caller has a process inside killed before the

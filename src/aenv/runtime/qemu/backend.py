@@ -375,6 +375,20 @@ class QemuRuntime(Runtime):
         """The guest's page cache written to its disk (before the host reads the disk)."""
         await self.control.ask(m, "sync", timeout=60.0)
 
+    async def sync_files(self, inst: Instance) -> None:
+        m = self._running(inst)
+        if m.upper is None:
+            return
+        running = await qmp.status(m.qmp) == "running"
+        if running:  # the files of one instant: its vCPUs stopped while they are copied
+            await self._sync_guest(m)
+            await qmp.call(m.qmp, "stop")
+        try:
+            await disks.copy_upper_out(m.disk, m.upper)
+        finally:
+            if running:
+                await qmp.call(m.qmp, "cont")
+
     async def freeze(self, inst: Instance) -> None:
         m = self._running(inst)
         if await qmp.status(m.qmp) == "running":
