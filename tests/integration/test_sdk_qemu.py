@@ -167,7 +167,7 @@ def test_snapshot_fork_diff_and_apply(qemu_node: Server, made: list[Sandbox]) ->
     assert [k.files.read("/home/user/mine.txt") for k in kids] == ["kid 0", "kid 1"]
     assert not p.files.exists("/home/user/mine.txt")
     # The fork tree reads a running VM's files on the host: a child's diff from its fork
-    # point, and its change applied to the parent.
+    # point, and its changes applied to the parent (both counters ran: theirs wins).
     with qemu_node.client() as http:
         r = http.get(f"/sandboxes/{kids[0].sandbox_id}/diff")
         assert r.status_code == 200, r.text
