@@ -92,7 +92,7 @@ async def test_a_guest_is_a_vm_with_its_own_kernel_files_and_limits(
     """What the gVisor backend cannot give: the guest's own Linux kernel; and what a
     sandbox expects of any backend: its writes in its upper, its size, its entropy."""
     spec = specs("qm-vm", upper=True)
-    spec.cpu_count, spec.memory_mb = 2, 256
+    spec.cpu_count, spec.memory_mb, spec.disk_mb = 2, 256, 64
     inst = await runtime.create(spec)
     try:
         await wait_http(inst, limit=BOOT_LIMIT)
@@ -111,6 +111,10 @@ async def test_a_guest_is_a_vm_with_its_own_kernel_files_and_limits(
         # A process that eats the guest's memory meets the guest's OOM killer; the rest
         # of the sandbox (its httpd, its counter) goes on.
         await sh(inst, "head -c 400m /dev/zero | tail > /dev/null; echo done")
+        assert "Killed process" in await sh(inst, "dmesg | grep -i 'out of memory'")
+        # Its writes are bounded by its disk's size.
+        full = await sh(inst, "dd if=/dev/zero of=/root/big bs=1M count=100 2>&1; rm /root/big")
+        assert "No space left on device" in full, full
         a = await read_ints(inst, "/tmp/counter")
         b = await read_ints(inst, "/tmp/counter")
         assert b[0] >= a[0]

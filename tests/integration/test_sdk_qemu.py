@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from e2b import FileNotFoundException, Sandbox
 from e2b.sandbox.commands.command_handle import PtySize
@@ -87,7 +88,7 @@ def test_the_node_says_what_runs_its_sandboxes(qemu_node: Server) -> None:
     assert node["runtime"]["accelerator"] in ("kvm", "tcg")
 
 
-def test_create_commands_files_and_pty(made: list[Sandbox]) -> None:
+def test_create_commands_files_ports_and_pty(qemu_node: Server, made: list[Sandbox]) -> None:
     s = Sandbox.create(template="base", timeout=300, envs={"GREETING": "hi"})
     made.append(s)
     assert len(qemu_of(s.sandbox_id)) == 1
@@ -100,6 +101,27 @@ def test_create_commands_files_and_pty(made: list[Sandbox]) -> None:
     assert [e.name for e in s.files.list("/home/user/dir")] == ["a.txt"]
     s.files.remove("/home/user/dir/a.txt")
     assert not s.files.exists("/home/user/dir/a.txt")
+
+    # A port served in the guest, through the node's proxy, as on gVisor.
+    s.files.write("/home/user/www/index.html", "from the vm")
+    s.commands.run("cd /home/user/www && python3 -m http.server 8080", background=True)
+    r = wait_until(
+        lambda: (
+            (
+                x := httpx.get(
+                    f"{qemu_node.url}/index.html",
+                    headers={"Host": f"8080-{s.sandbox_id}.localhost"},
+                    timeout=10,
+                )
+            ).status_code
+            == 200
+            and x
+        ),
+        60,
+        0.5,
+        "the guest's port 8080 through the proxy",
+    )
+    assert r.text == "from the vm"
 
     out = bytearray()
     h = s.pty.create(PtySize(rows=24, cols=80))

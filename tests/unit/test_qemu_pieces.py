@@ -11,6 +11,7 @@ import pytest
 
 from aenv.domain import Instance
 from aenv.errors import RuntimeFailure
+from aenv.runtime import checkpoints
 from aenv.runtime.base import SandboxSpec
 from aenv.runtime.qemu import image
 from aenv.runtime.qemu.guest import _newc
@@ -139,5 +140,7 @@ def test_an_image_record_is_checked_before_a_restore(tmp_path: Path) -> None:
     gvisor = tmp_path / "other"
     gvisor.mkdir()
     (gvisor / "checkpoint.img").write_bytes(b"x")
-    with pytest.raises(RuntimeFailure, match="another backend"):
+    with pytest.raises(RuntimeFailure, match="made by the gvisor backend"):
         image.read(gvisor, "tcg")
+    with pytest.raises(RuntimeFailure, match="made by the qemu backend; this node runs gvisor"):
+        checkpoints.refuse_foreign(d, "gvisor")

@@ -159,6 +159,7 @@ class Booter:
             memory_mb=r.memory_mb,
             hostname="sandbox",
             upper=Path(r.upper) if r.upper else None,
+            disk_mb=r.disk_mb,
             egress=None if r.egress.is_open else r.egress,
         )
 

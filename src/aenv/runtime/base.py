@@ -47,6 +47,9 @@ class SandboxSpec:
     # (`lowerdir=layers`, `upperdir=upper`) and every rootfs write lands in `upper`; the
     # runtime never deletes it. None: writes stay in the backend's memory (and checkpoints).
     upper: Path | None = None
+    # The writable layer's size in MiB (0: the backend's default). gVisor's upper lives in
+    # the orchestrator's storage, which bounds it; a VM backend sizes the guest's disk by it.
+    disk_mb: int = 0
     # Where the sandbox may connect to; None or an open policy: no rules beyond the node's
     # fixed denies. In force before the sandbox's first instruction runs.
     egress: EgressPolicy | None = None

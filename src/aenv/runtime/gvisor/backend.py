@@ -17,7 +17,7 @@ from aenv.config import Settings
 from aenv.domain import ENVD_PORT, EgressPolicy
 from aenv.egress import SecretLookup
 from aenv.errors import RuntimeFailure
-from aenv.runtime import naps, priority, rootfs
+from aenv.runtime import checkpoints, naps, priority, rootfs
 from aenv.runtime.base import Instance, Runtime, SandboxSpec, Stats
 from aenv.runtime.freezer import CGROUP_ROOT, Freezer
 from aenv.runtime.gvisor import bundles, control, netquiet, oci, runsc
@@ -162,6 +162,8 @@ class GVisorRuntime(Runtime):
             raise RuntimeFailure("the gvisor runtime is not started")
         if not bundles.ID_RE.fullmatch(spec.sandbox_id):
             raise RuntimeFailure(f"invalid sandbox id {spec.sandbox_id!r}")
+        if image_dir is not None:
+            await asyncio.to_thread(checkpoints.refuse_foreign, image_dir, self.name)
         if image_dir is not None and not await asyncio.to_thread(self.image_complete, image_dir):
             raise RuntimeFailure(f"no complete checkpoint image at {image_dir}")
         if spec.upper is not None and not await asyncio.to_thread(spec.upper.is_dir):

@@ -241,10 +241,11 @@ class QemuRuntime(Runtime):
             Drive(f"aenv-m{i}", await self.images.of_dir(mnt.source), mnt.destination)
             for i, mnt in enumerate(spec.mounts)
         ]
+        size = spec.disk_mb or disks.DISK_MB
         if spec.upper is not None and await asyncio.to_thread(_has_entries, spec.upper):
-            await disks.disk_from_upper(spec.upper, m.disk)
+            await disks.disk_from_upper(spec.upper, m.disk, size)
         else:
-            await disks.copy_file(await self.images.empty_disk(), m.disk)
+            await disks.copy_file(await self.images.empty_disk(size), m.disk)
         data = config_script(spec, m.mounts)
         await asyncio.to_thread(m.config_disk.write_bytes, data)
 

@@ -27,7 +27,7 @@ from aenv.runtime import _proc
 from aenv.runtime.rootfs import RootfsMounts, stack_key
 
 MiB = 1024 * 1024
-# The writable disk's size: sparse, so a bound, not a reservation.
+# The writable disk's size when the spec names none: sparse, so a bound, not a reservation.
 DISK_MB = 4096
 _MKFS = ["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", "-E", "root_owner=0:0"]
 
@@ -106,8 +106,9 @@ class Images:
         size_mb = 64 + int(size * 1.15) // MiB + count * 4096 // MiB
         await _mkfs_from(root, target, size_mb, inodes=count + 4096)
 
-    async def empty_disk(self) -> Path:
-        return await self._made(f"empty-{DISK_MB}.ext4", lambda t: _mkfs_from(None, t, DISK_MB))
+    async def empty_disk(self, size_mb: int) -> Path:
+        """An empty file system of `size_mb` (one per size), sparse: its copies are cheap."""
+        return await self._made(f"empty-{size_mb}.ext4", lambda t: _mkfs_from(None, t, size_mb))
 
 
 async def copy_file(source: Path, target: Path) -> None:
@@ -117,7 +118,7 @@ async def copy_file(source: Path, target: Path) -> None:
     )
 
 
-async def disk_from_upper(upper: Path, target: Path) -> None:
+async def disk_from_upper(upper: Path, target: Path, size_mb: int) -> None:
     """A sandbox's disk that starts with the files of a non-empty host `upper` (a sandbox
     booted again after a stop): the tree is staged as `upper/` through a bind mount."""
     stage = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="aenv-qstage-"))
@@ -126,7 +127,7 @@ async def disk_from_upper(upper: Path, target: Path) -> None:
         await asyncio.to_thread((stage / "work").mkdir)
         await _proc.run(["mount", "--bind", "-o", "ro", str(upper), str(stage / "upper")])
         try:
-            await _mkfs_from(stage, target, DISK_MB)
+            await _mkfs_from(stage, target, size_mb)
         finally:
             await _proc.run(["umount", str(stage / "upper")], check=False)
     finally:

@@ -8,7 +8,7 @@
 
 The record names the read-only images the guest had attached (they stay where they are,
 shared, on this node) and the machine's shape: a restore must describe the same machine.
-A record of another backend, or of another accelerator, is refused.
+Another backend's image (`runtime/checkpoints.py`), or one of another accelerator, is refused.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.errors import RuntimeFailure
+from aenv.runtime import checkpoints
 from aenv.runtime.qemu.machine import Drive, Machine
 
 RECORD = "qemu.json"
@@ -72,12 +73,9 @@ def complete(image_dir: Path) -> bool:
 def read(image_dir: Path, accel: str) -> ImageRecord:
     """The image's record, checked to be whole, QEMU's and restorable under `accel`, with
     every shared image it names present on this node."""
+    checkpoints.refuse_foreign(image_dir, "qemu")
     if not complete(image_dir):
-        other = image_dir.is_dir() and any(image_dir.iterdir())
-        raise RuntimeFailure(
-            f"no complete qemu checkpoint image at {image_dir}"
-            + (" (another backend's image?)" if other else "")
-        )
+        raise RuntimeFailure(f"no complete qemu checkpoint image at {image_dir}")
     record = ImageRecord.from_json((image_dir / RECORD).read_text())
     if record.accel != accel:
         raise RuntimeFailure(
