@@ -105,23 +105,17 @@ def test_create_commands_files_ports_and_pty(qemu_node: Server, made: list[Sandb
     # A port served in the guest, through the node's proxy, as on gVisor.
     s.files.write("/home/user/www/index.html", "from the vm")
     s.commands.run("cd /home/user/www && python3 -m http.server 8080", background=True)
-    r = wait_until(
-        lambda: (
-            (
-                x := httpx.get(
-                    f"{qemu_node.url}/index.html",
-                    headers={"Host": f"8080-{s.sandbox_id}.localhost"},
-                    timeout=10,
-                )
-            ).status_code
-            == 200
-            and x
-        ),
-        60,
-        0.5,
-        "the guest's port 8080 through the proxy",
-    )
-    assert r.text == "from the vm"
+
+    def page() -> httpx.Response | None:
+        got = httpx.get(
+            f"{qemu_node.url}/index.html",
+            headers={"Host": f"8080-{s.sandbox_id}.localhost"},
+            timeout=10,
+        )
+        return got if got.status_code == 200 else None
+
+    page_r = wait_until(page, 60, 0.5, "the guest's port 8080 through the proxy")
+    assert page_r is not None and page_r.text == "from the vm"
 
     out = bytearray()
     h = s.pty.create(PtySize(rows=24, cols=80))
