@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.aenv-installed
 export AENV_HOME ?= /var/lib/aenv
 
-.PHONY: install system venv console base code-interpreter run test test-unit test-integration lint contracts bench soak floors version dist image lock compose-test e2b-suites proto clean
+.PHONY: install system venv console base code-interpreter run test test-unit test-integration lint contracts bench soak floors version dist image lock compose-test e2b-suites e2b-suites-qemu proto clean
 
 install: system venv console base
 
@@ -130,6 +130,16 @@ compose-test: install
 e2b-suites: install
 	@test -n "$(E2B)" || { echo "usage: make e2b-suites E2B=/path/to/E2B [SUITES='py-sync js']"; exit 2; }
 	scripts/e2b-suites.sh $(E2B) $(SUITES)
+
+# The same suites against a node whose sandboxes are QEMU microVMs (AENV_RUNTIME=qemu), in a
+# home and network range of their own: TCG-emulated where KVM cannot boot a standard guest,
+# so too slow for `make test` (its QEMU tests are the runtime contract and the SDK's flows).
+QEMU_HOME ?= /var/lib/aenv-qemu
+e2b-suites-qemu: install
+	@test -n "$(E2B)" || { echo "usage: make e2b-suites-qemu E2B=/path/to/E2B [SUITES='py-sync js']"; exit 2; }
+	AENV_HOME=$(QEMU_HOME) $(BIN)/aenv template build-base --quiet
+	AENV_HOME=$(QEMU_HOME) AENV_RUNTIME=qemu AENV_NET_PREFIX=aenvq AENV_NET_CIDR=10.201.0.0/16 \
+		scripts/e2b-suites.sh $(E2B) $(SUITES)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info src/*.egg-info

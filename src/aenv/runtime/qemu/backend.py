@@ -339,7 +339,10 @@ class QemuRuntime(Runtime):
                     await self._sync_guest(m)
             await self._end_vm(m)
             if m.upper is not None:
-                await disks.copy_upper_out(m.disk, m.upper)
+                try:
+                    await disks.copy_upper_out(m.disk, m.upper)
+                except RuntimeFailure as e:  # its own disk, broken from inside: files lost
+                    log.warning("the files of %s could not be read from its disk: %s", m.id, e)
             for p in (m.disk, m.config_disk):
                 await asyncio.to_thread(p.unlink, missing_ok=True)
             if m.ram_shared:
@@ -421,8 +424,31 @@ class QemuRuntime(Runtime):
         if await qmp.status(m.qmp) == "running":
             await self._sync_guest(m)
             await qmp.call(m.qmp, "stop")
-        # RAM that is a file of the VM's own is copied as a file (a reflink where the file
-        # system can); RAM mapped from an image goes into the stream.
+        # As on gVisor, a sandbox checkpointed leaving it running runs afterwards (a frozen
+        # one too), also when the checkpoint failed; a held one stays stopped until `thaw`.
+        try:
+            await self._save(m, image_dir)
+            if hold and m.upper is not None:
+                await disks.copy_upper_out(m.disk, m.upper)
+        except BaseException:
+            if leave_running and not hold:
+                with contextlib.suppress(RuntimeFailure):
+                    await qmp.call(m.qmp, "cont")
+            raise
+        if leave_running and not hold:
+            await qmp.call(m.qmp, "cont")
+        elif not leave_running:
+            await self._end_vm(m)
+            m.checkpointed = True
+            await asyncio.to_thread(m.save)
+            m.write_to(inst)
+        log.info(
+            "checkpointed %s to %s in %.0f ms", m.id, image_dir, (time.perf_counter() - t0) * 1000
+        )
+
+    async def _save(self, m: Machine, image_dir: Path) -> None:
+        """The stopped VM's image: RAM that is a file of the VM's own is copied as a file (a
+        reflink where the file system can), RAM mapped from an image goes into the stream."""
         await qmp.call(
             m.qmp,
             "migrate-set-capabilities",
@@ -439,18 +465,6 @@ class QemuRuntime(Runtime):
         await asyncio.gather(*copies)
         written = image.ImageRecord.of(m).to_json()
         await asyncio.to_thread((image_dir / image.RECORD).write_text, written)
-        if hold and m.upper is not None:
-            await disks.copy_upper_out(m.disk, m.upper)
-        if leave_running and not hold:
-            await qmp.call(m.qmp, "cont")
-        elif not leave_running:
-            await self._end_vm(m)
-            m.checkpointed = True
-            await asyncio.to_thread(m.save)
-            m.write_to(inst)
-        log.info(
-            "checkpointed %s to %s in %.0f ms", m.id, image_dir, (time.perf_counter() - t0) * 1000
-        )
 
     async def alive(self, inst: Instance) -> bool:
         mine = self._parse(inst)

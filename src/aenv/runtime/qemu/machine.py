@@ -250,15 +250,15 @@ class Control:
 
     def __init__(self) -> None:
         self._locks: dict[str, asyncio.Lock] = {}
-        self._n = 0
 
     def forget(self, vm_id: str) -> None:
         self._locks.pop(vm_id, None)
 
     async def ask(self, m: Machine, request: str, timeout: float = 30.0) -> None:
         async with self._locks.setdefault(m.id, asyncio.Lock()):
-            self._n += 1
-            n = self._n
+            # Random, not counted: an answer left in the pipe by an earlier server process
+            # must not pass for this request's.
+            n = secrets.randbelow(1 << 30)
             word, *args = request.split()
             try:
                 await asyncio.to_thread(
