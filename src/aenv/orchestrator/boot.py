@@ -230,7 +230,7 @@ class Booter:
                     inst = await self.runtime.restore(spec, image, reuse=reuse)
             r.instance = inst
             with t.stage("envd-ready"):
-                await self.envd.at(inst.address).wait_ready()
+                await self.envd.at(inst.address).wait_ready(self.runtime.ready_within())
             if init:
                 current = init_from if image is not None else (r.envd_access_token or None)
                 with t.stage("envd-init"):

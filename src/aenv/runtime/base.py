@@ -68,6 +68,11 @@ class Runtime(abc.ABC):
 
     name: str = "abstract"
 
+    def ready_within(self) -> float:
+        """Seconds a booted or restored sandbox may take until its init (envd) serves, before
+        the caller gives up on it; a backend that emulates its guests' CPU needs more."""
+        return 20.0
+
     def describe(self) -> dict[str, str]:
         """What `GET /nodes` and `aenv status` show of the backend: its name and what runs
         the sandboxes' code (gVisor's platform, QEMU's accelerator), once started."""

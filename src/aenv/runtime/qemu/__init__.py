@@ -7,7 +7,7 @@ What a sandbox is made of, on the host:
 * a **network slot** of `net/` like gVisor's: in the slot's inner namespace `eth0` is bridged
   to the VM's `tap0`, and the guest holds the address `eth0` had, so `Instance.address`,
   the proxy, ports, egress rules and traffic tokens are the same as on gVisor;
-* **disks** (`disks.py`): the layer stack merged into one read-only ext4 image, shared by every
+* **disks** (`disks.py`, made or copied before QEMU starts by `provision.py`): the layer stack merged into one read-only ext4 image, shared by every
   sandbox of that stack; the same for each read-only mount (the envd bundle); a disk of its
   own for the guest overlay's upper; a small config disk (`machine.config_script`);
 * **RAM** in a file (`memory-backend-file`): the VM's own under /dev/shm, shared, so a

@@ -21,13 +21,11 @@ from aenv.runtime import _proc
 from aenv.runtime.base import Instance, Runtime, SandboxSpec, Stats
 from aenv.runtime.net.egress_ca import EgressCA
 from aenv.runtime.net.network import Network, Slot, SlotAddressing, SlotPool
-from aenv.runtime.qemu import disks, guest, image, qmp, vmproc
+from aenv.runtime.qemu import disks, guest, image, provision, qmp, vmproc
 from aenv.runtime.qemu.machine import (
     Control,
-    Drive,
     Machine,
     argv,
-    config_script,
     make_pipes,
     new_machine_id,
 )
@@ -99,6 +97,11 @@ class QemuRuntime(Runtime):
         await self.network.remove_host()
         await self.rootfs.remove()
         await asyncio.to_thread(shutil.rmtree, self.ram_dir, True)
+
+    def ready_within(self) -> float:
+        # A TCG guest boots its kernel and envd's Python in seconds, more when several boot
+        # at once on a busy host (the node's pool fills while requests come in).
+        return 20.0 if self.accel == "kvm" else 120.0
 
     def describe(self) -> dict[str, str]:
         return {"backend": self.name, "accelerator": self.accel}
@@ -179,9 +182,9 @@ class QemuRuntime(Runtime):
             await asyncio.to_thread(m.dir.mkdir, parents=True)
             net = self._ready_slot(slot, spec.egress or EgressPolicy())
             if image_dir is not None and record is not None:
-                files = self._files_from_image(m, image_dir, record)
+                files = provision.files_from_image(m, image_dir, record)
             else:
-                files = self._files_for(m, spec)
+                files = provision.files_for(self.images, m, spec)
             await asyncio.gather(net, files)
             await self._start_vm(m, image_dir, record)
         except BaseException:
@@ -215,52 +218,8 @@ class QemuRuntime(Runtime):
         return held
 
     async def _ready_slot(self, slot: Slot, policy: EgressPolicy) -> None:
-        """The slot's inner namespace as a guest needs it: its eth0 bridged to the VM's tap
-        (the guest holds the address eth0 had), and the sandbox's egress rules."""
-        batch = (
-            "link add br0 type bridge\n"
-            "tuntap add dev tap0 mode tap\n"
-            "link set eth0 master br0\n"
-            "link set tap0 master br0\n"
-            "address flush dev eth0\n"
-            "link set br0 up\nlink set tap0 up\nlink set eth0 up\n"
-        )
-        await _proc.run(
-            ["ip", "-force", "-n", slot.inner_ns, "-batch", "-"],
-            input=batch,
-            check=False,
-            time_limit=30,
-        )
+        await provision.bridge(slot.inner_ns)
         await self.network.apply_egress(slot.index, policy)
-
-    async def _files_for(self, m: Machine, spec: SandboxSpec) -> None:
-        """A new VM's disks: the layers' image, the mounts', its own disk (holding the
-        upper's files when the upper is not empty) and its config."""
-        m.base = await self.images.of_stack(spec.layers)
-        m.mounts = [
-            Drive(f"aenv-m{i}", await self.images.of_dir(mnt.source), mnt.destination)
-            for i, mnt in enumerate(spec.mounts)
-        ]
-        size = spec.disk_mb or disks.DISK_MB
-        if spec.upper is not None and await asyncio.to_thread(_has_entries, spec.upper):
-            await disks.disk_from_upper(spec.upper, m.disk, size)
-        else:
-            await disks.copy_file(await self.images.empty_disk(size), m.disk)
-        data = config_script(spec, m.mounts)
-        await asyncio.to_thread(m.config_disk.write_bytes, data)
-
-    async def _files_from_image(
-        self, m: Machine, image_dir: Path, record: image.ImageRecord
-    ) -> None:
-        """A restored VM's disks: the image's own copies, the shared images it names."""
-        m.base, m.mounts = record.base, list(record.mounts)
-        m.cpu_count, m.memory_mb = record.cpu_count, record.memory_mb
-        if record.memory_file:  # mapped privately: its pages shared until written
-            m.ram, m.ram_shared = image_dir / image.MEMORY, False
-        await asyncio.gather(
-            disks.copy_file(image_dir / image.DISK, m.disk),
-            disks.copy_file(image_dir / image.CONFIG, m.config_disk),
-        )
 
     async def _start_vm(
         self, m: Machine, image_dir: Path | None, record: image.ImageRecord | None
@@ -488,7 +447,3 @@ class QemuRuntime(Runtime):
         if m is None or inst.id in self._destroying:
             raise RuntimeFailure(f"{inst.id} is not a sandbox of this runtime")
         await self.network.apply_egress(m.slot, policy)
-
-
-def _has_entries(d: Path) -> bool:
-    return any(d.iterdir())
