@@ -13,7 +13,7 @@ from aenv.domain import Instance
 from aenv.errors import RuntimeFailure
 from aenv.runtime import checkpoints
 from aenv.runtime.base import SandboxSpec
-from aenv.runtime.qemu import image
+from aenv.runtime.qemu import image, vmproc
 from aenv.runtime.qemu.guest import _newc
 from aenv.runtime.qemu.machine import Drive, Machine, argv, config_script, new_machine_id
 
@@ -144,3 +144,23 @@ def test_an_image_record_is_checked_before_a_restore(tmp_path: Path) -> None:
         image.read(gvisor, "tcg")
     with pytest.raises(RuntimeFailure, match="made by the qemu backend; this node runs gvisor"):
         checkpoints.refuse_foreign(d, "gvisor")
+
+
+def test_a_dead_vms_console_says_why_and_is_kept(tmp_path: Path) -> None:
+    m = machine(tmp_path)
+    m.dir.mkdir()
+    assert vmproc.exit_cause(m) is None  # no console yet
+    m.console.write_text(
+        "[    0.000000] Linux version 6.1\n"
+        "aenv-init: cannot mount the base image\n"
+        "[    2.100000] reboot: Power down\n"
+    )
+    assert vmproc.exit_cause(m) == "the guest: aenv-init: cannot mount the base image"
+    kept = tmp_path / "consoles"
+    for i in range(vmproc.KEPT_CONSOLES + 2):
+        m.id = f"sbx-{i:08x}"
+        m.console.write_text(f"boot {i}\n")
+        vmproc.keep_console(m, kept)
+    logs = sorted(p.name for p in kept.iterdir())
+    assert len(logs) == vmproc.KEPT_CONSOLES and f"sbx-{1:08x}.log" not in logs
+    assert (kept / f"sbx-{vmproc.KEPT_CONSOLES + 1:08x}.log").read_text().startswith("boot")

@@ -277,6 +277,7 @@ class QemuRuntime(Runtime):
         await self._end_vm(m)
         self.meter.forget(m.id)
         self.control.forget(m.id)
+        await asyncio.to_thread(vmproc.keep_console, m, self.home / "consoles")
         await asyncio.to_thread(shutil.rmtree, m.dir, True)
         if m.ram_shared:
             await asyncio.to_thread(m.ram.unlink, missing_ok=True)
@@ -431,6 +432,9 @@ class QemuRuntime(Runtime):
         if mine.stopped or held.stopped or held.checkpointed or inst.id in self._destroying:
             return False
         return await asyncio.to_thread(vmproc.running, held)
+
+    async def exit_cause(self, inst: Instance) -> str | None:
+        return await asyncio.to_thread(vmproc.exit_cause, self._view(inst))
 
     async def stats(self, inst: Instance) -> Stats:
         return await asyncio.to_thread(self.meter.stats, self._view(inst))

@@ -96,6 +96,38 @@ def kill(m: Machine) -> int:
     return m.pid
 
 
+# Consoles of removed VMs kept for a post-mortem (`$AENV_HOME/qemu/consoles/<id>.log`).
+KEPT_CONSOLES = 50
+
+
+def keep_console(m: Machine, where: Path) -> None:
+    """Moves a removed VM's serial console beside the last ones (the newest few are kept)."""
+    try:
+        if m.console.stat().st_size == 0:
+            return
+        where.mkdir(parents=True, exist_ok=True)
+        m.console.rename(where / f"{m.id}.log")
+        logs = sorted(where.glob("*.log"), key=lambda p: p.stat().st_mtime)
+    except OSError:
+        return
+    for old in logs[:-KEPT_CONSOLES]:
+        old.unlink(missing_ok=True)
+
+
+def exit_cause(m: Machine) -> str | None:
+    """Why a VM's QEMU ended on its own, from the last telling line of its console: the
+    guest's init giving up, a kernel panic, the guest's OOM killer ending its init."""
+    try:
+        lines = m.console.read_text(errors="replace").splitlines()[-200:]
+    except OSError:
+        return None
+    for line in reversed(lines):
+        text = line.split("] ", 1)[-1].strip()
+        if text.startswith(("aenv-init:", "Kernel panic", "Out of memory")):
+            return f"the guest: {text}"
+    return None
+
+
 @dataclass
 class _Sample:
     cpu_s: float
