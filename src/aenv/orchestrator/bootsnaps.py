@@ -24,6 +24,8 @@ log = logging.getLogger("aenv.orchestrator")
 BootKey = tuple[str, int]
 # Shapes of sandbox a node keeps boot snapshots of (each ~20 MiB of memory image).
 MAX_BOOT_SNAPSHOTS = 8
+# Attempts at a boot snapshot of one shape before the node gives up on it for this run.
+RETRIES = 3
 
 
 @dataclass
@@ -35,6 +37,7 @@ class BootSnapshots:
     templates: TemplateRegistry
     _made: dict[BootKey, TemplateRecord] = field(default_factory=dict, init=False)
     _tried: set[BootKey] = field(default_factory=set, init=False)
+    _failed: dict[BootKey, int] = field(default_factory=dict, init=False)
     _cleaned: bool = field(default=False, init=False)
 
     def for_shape(self, tpl: TemplateRecord, cpu: int, mem: int) -> TemplateRecord | None:
@@ -88,6 +91,11 @@ class BootSnapshots:
             await self._make(template_id, cpu, mem)
         except Exception as e:
             log.warning("no boot snapshot of %s (%d CPU, %d MiB): %s", template_id, cpu, mem, e)
+            # One failed boot (a busy host) must not leave every later create booting: the
+            # next create of this shape tries again, a few times at most.
+            self._failed[key] = self._failed.get(key, 0) + 1
+            if self._failed[key] < RETRIES:
+                self._tried.discard(key)
 
     async def _make(self, template_id: str, cpu: int, mem: int) -> None:
         """Boots one sandbox of the template, lets envd start and run one login shell, and
