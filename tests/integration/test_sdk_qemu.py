@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2b import FileNotFoundException, Sandbox
+from e2b import FileNotFoundException, Sandbox, Template
 from e2b.sandbox.commands.command_handle import PtySize
 
 from tests import netplan
@@ -203,3 +203,33 @@ def test_kill_ends_the_vm(made: list[Sandbox]) -> None:
     s.kill()
     assert not s.is_running()
     wait_until(lambda: not qemu_of(s.sandbox_id), 15, 0.1, "the QEMU process gone")
+
+
+def test_template_build_steps_and_a_files_only_pause(
+    qemu_node: Server, made: list[Sandbox], tmp_path: Path
+) -> None:
+    """Each build step runs in a VM of its own and commits what it wrote (read out of the
+    guest's disk); a files-only pause keeps the files and reboots the guest."""
+    (tmp_path / "hello.txt").write_text("from the context\n")
+    template = (
+        Template(file_context_path=str(tmp_path))
+        .from_template("base")
+        .copy("hello.txt", "/data/")
+        .make_symlink("/data/hello.txt", "/data/link")
+        .run_cmd("echo built > /data/built.txt")
+    )
+    name = f"qemu-build-{os.getpid()}"
+    Template.build(template, name)
+    s = Sandbox.create(template=name, timeout=300)
+    made.append(s)
+    out = s.commands.run("cat /data/link /data/built.txt").stdout
+    assert out == "from the context\nbuilt\n"
+
+    s.files.write("/home/user/marker.txt", "persisted")
+    boot = s.files.read("/proc/sys/kernel/random/boot_id")
+    assert s.pause(keep_memory=False)
+    back = s.connect()
+    assert back.files.read("/home/user/marker.txt") == "persisted"
+    assert back.files.read("/proc/sys/kernel/random/boot_id") != boot  # a fresh boot
+    with qemu_node.client() as http:
+        assert http.delete(f"/templates/{name}").status_code in (200, 204)

@@ -158,6 +158,7 @@ class Pauser:
                 await self.table.save(r)
                 try:
                     with t.stage("stop"):
+                        await self.runtime.sync_files(r.instance)
                         await self.runtime.destroy(r.instance)
                 finally:
                     r.pending = None
@@ -231,6 +232,7 @@ class Pauser:
                 await self.runtime.checkpoint(inst, image, leave_running=False)
             crashpoint.hit("hibernate.checkpointed")
             with t.stage("release"):
+                await self.runtime.sync_files(inst)
                 await self.runtime.destroy(inst)
             self.ctx.stopped(r.sandbox_id)
             crashpoint.hit("hibernate.released")
@@ -432,6 +434,7 @@ class Pauser:
                 if memory is False and r.paused.tier is not PauseTier.FILES:
                     # E2B's on_resume="reboot": drop the memory, keep the files.
                     if r.instance:
+                        await self.runtime.sync_files(r.instance)
                         await self.runtime.destroy(r.instance)
                         r.instance = None
                     r.paused = PausedState(PauseTier.FILES, self.ctx.now())

@@ -274,6 +274,7 @@ class Sandboxes:
         async with self.table.lock(sandbox_id):
             r = self.table.get(sandbox_id)
             if r.instance:
+                await self.runtime.sync_files(r.instance)
                 await self.runtime.destroy(r.instance)
                 r.instance = None
             assert r.upper is not None

@@ -154,9 +154,11 @@ class Runtime(abc.ABC):
         return None
 
     async def sync_files(self, inst: Instance) -> None:
-        """Makes the `upper` of a running sandbox show every file it wrote so far, for a
-        reader on the host (a diff). A backend whose rootfs writes land there at once
-        (gVisor's host overlay) has nothing to do; a VM's writes are in its own disk."""
+        """Makes the `upper` of a running, frozen or checkpointed sandbox show every file it
+        wrote so far, for a reader on the host (a diff) or before a `destroy` whose upper is
+        kept (a template build's step, a files-only pause, the seal after a hibernation). A
+        backend whose rootfs writes land there at once (gVisor's host overlay) has nothing
+        to do; a VM's writes are in its own disk."""
         return None
 
     def on_memory_pressure(self, listener: Callable[[Instance], None]) -> None:

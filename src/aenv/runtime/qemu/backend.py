@@ -340,12 +340,20 @@ class QemuRuntime(Runtime):
         await self.control.ask(m, "sync", timeout=60.0)
 
     async def sync_files(self, inst: Instance) -> None:
-        m = self._running(inst)
-        if m.upper is None:
+        m = self._live.get(inst.id)
+        if m is None or inst.id in self._destroying:
+            raise RuntimeFailure(f"{inst.id} is not a sandbox of this runtime")
+        if m.upper is None or m.stopped:  # a stop copied them out already
+            return
+        if m.checkpointed:  # QEMU is gone, its disk is not: as the guest synced it
+            await disks.copy_upper_out(m.disk, m.upper)
             return
         running = await qmp.status(m.qmp) == "running"
         if running:  # the files of one instant: its vCPUs stopped while they are copied
-            await self._sync_guest(m)
+            try:
+                await self._sync_guest(m)
+            except RuntimeFailure as e:  # a wedged guest: what reached its disk
+                log.warning("the guest of %s did not sync: %s", m.id, e)
             await qmp.call(m.qmp, "stop")
         try:
             await disks.copy_upper_out(m.disk, m.upper)
