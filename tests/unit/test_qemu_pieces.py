@@ -13,7 +13,7 @@ from aenv.domain import Instance
 from aenv.errors import RuntimeFailure
 from aenv.runtime import checkpoints
 from aenv.runtime.base import SandboxSpec
-from aenv.runtime.qemu import image, vmproc
+from aenv.runtime.qemu import disks, image, vmproc
 from aenv.runtime.qemu.guest import _newc
 from aenv.runtime.qemu.machine import Drive, Machine, argv, config_script, new_machine_id
 
@@ -164,3 +164,26 @@ def test_a_dead_vms_console_says_why_and_is_kept(tmp_path: Path) -> None:
     logs = sorted(p.name for p in kept.iterdir())
     assert len(logs) == vmproc.KEPT_CONSOLES and f"sbx-{1:08x}.log" not in logs
     assert (kept / f"sbx-{vmproc.KEPT_CONSOLES + 1:08x}.log").read_text().startswith("boot")
+
+
+def test_a_packed_disk_holds_its_written_extents_only(tmp_path: Path) -> None:
+    disk = tmp_path / "disk.img"
+    with open(disk, "wb") as f:
+        f.truncate(1 << 30)  # 1 GiB, sparse
+        for at, data in ((0, b"head"), (300 << 20, b"x" * 70_000), ((1 << 30) - 5, b"tail!")):
+            f.seek(at)
+            f.write(data)
+    packed, back = tmp_path / "disk.packed", tmp_path / "back.img"
+    disks.pack(disk, packed)
+    assert packed.stat().st_size < 1 << 20  # what was written, not the disk's size
+    disks.unpack(packed, back)
+    assert back.stat().st_size == 1 << 30
+    assert back.stat().st_blocks * 512 < 4 << 20  # still sparse
+    with open(disk, "rb") as a, open(back, "rb") as b:
+        for at, n in ((0, 4096), (300 << 20, 70_000), ((1 << 30) - 4096, 4096), (5 << 20, 4096)):
+            a.seek(at)
+            b.seek(at)
+            assert a.read(n) == b.read(n)
+    (tmp_path / "junk").write_bytes(b"not a disk")
+    with pytest.raises(RuntimeFailure):
+        disks.unpack(tmp_path / "junk", back)

@@ -271,6 +271,7 @@ class QemuRuntime(Runtime):
         pid = await asyncio.to_thread(vmproc.kill, m)
         if pid and not await _proc.wait_exited([pid], 10.0):
             log.warning("qemu %d of %s did not exit", pid, m.id)
+        vmproc.reap(m.pid)
 
     async def _remove_vm(self, m: Machine) -> None:
         """Everything of a VM but its slot: QEMU, its dir, its RAM file, its cgroup."""
@@ -425,7 +426,7 @@ class QemuRuntime(Runtime):
         await qmp.call(m.qmp, "migrate", uri=f"exec:cat > {image_dir / image.STATE}")
         await qmp.wait_migration(m.qmp)
         copies = [
-            disks.copy_file(m.disk, image_dir / image.DISK),
+            asyncio.to_thread(disks.pack, m.disk, image_dir / image.DISK),
             disks.copy_file(m.config_disk, image_dir / image.CONFIG),
         ]
         if m.ram_shared:

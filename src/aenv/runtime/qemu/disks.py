@@ -7,8 +7,8 @@
   the paths they came from: layers and bundles are content-addressed and never change.
 * **Disks** (one per sandbox): a sparse copy of an empty ext4 file system (no journal: the
   host reads it after a guest `sync`, see `copy_upper_out`) that holds the guest overlay's
-  upper and work dirs. Snapshots and fork children get a copy (`cp --reflink=auto
-  --sparse=always`: a reflink on btrfs/XFS, holes kept elsewhere).
+  upper and work dirs. A checkpoint image holds it packed (its written extents only, `pack`);
+  a restored VM unpacks its own copy.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -109,6 +110,58 @@ class Images:
     async def empty_disk(self, size_mb: int) -> Path:
         """An empty file system of `size_mb` (one per size), sparse: its copies are cheap."""
         return await self._made(f"empty-{size_mb}.ext4", lambda t: _mkfs_from(None, t, size_mb))
+
+
+# A disk in a checkpoint image holds only its written extents (`pack`): a 10 GiB disk with
+# 50 MiB written is a 50 MiB file wherever the image goes (the repository, S3, a hash).
+_SPARSE_MAGIC = b"AENV-SPARSE-1\n"
+_EXTENT = struct.Struct("<QQ")
+_CHUNK = 1 << 20
+
+
+def pack(source: Path, target: Path) -> None:
+    """`source`'s data extents (SEEK_DATA/SEEK_HOLE) as one file: magic, size, then
+    (offset, length, bytes) per extent. Blocking."""
+    with open(source, "rb") as src, open(target, "wb") as out:
+        size = os.fstat(src.fileno()).st_size
+        out.write(_SPARSE_MAGIC + struct.pack("<Q", size))
+        at = 0
+        while at < size:
+            try:
+                start = os.lseek(src.fileno(), at, os.SEEK_DATA)
+            except OSError:  # ENXIO: no data after `at`
+                break
+            end = os.lseek(src.fileno(), start, os.SEEK_HOLE)
+            out.write(_EXTENT.pack(start, end - start))
+            src.seek(start)
+            left = end - start
+            while left:
+                chunk = src.read(min(_CHUNK, left))
+                if not chunk:
+                    raise OSError(f"{source} shrank while it was packed")
+                out.write(chunk)
+                left -= len(chunk)
+            at = end
+
+
+def unpack(source: Path, target: Path) -> None:
+    """The sparse file `pack` made `source` from. Blocking."""
+    with open(source, "rb") as src, open(target, "wb") as out:
+        if src.read(len(_SPARSE_MAGIC)) != _SPARSE_MAGIC:
+            raise RuntimeFailure(f"{source} is not a packed disk")
+        (size,) = struct.unpack("<Q", src.read(8))
+        out.truncate(size)
+        while head := src.read(_EXTENT.size):
+            if len(head) != _EXTENT.size:
+                raise RuntimeFailure(f"{source} is cut short")
+            start, left = _EXTENT.unpack(head)
+            out.seek(start)
+            while left:
+                chunk = src.read(min(_CHUNK, left))
+                if not chunk:
+                    raise RuntimeFailure(f"{source} is cut short")
+                out.write(chunk)
+                left -= len(chunk)
 
 
 async def copy_file(source: Path, target: Path) -> None:

@@ -2,7 +2,7 @@
 
     state        QEMU's migration stream: device state, and the RAM unless it was a file
     memory       the RAM as a file (when the VM's RAM was a file of its own)
-    disk.img     the guest's own disk at that instant (a reflink where the FS can)
+    disk.packed  the guest's own disk at that instant, its written extents only
     config.img   its config disk
     qemu.json    this record, written last: an image without it is not complete
 
@@ -24,7 +24,7 @@ from aenv.runtime import checkpoints
 from aenv.runtime.qemu.machine import Drive, Machine
 
 RECORD = "qemu.json"
-STATE, MEMORY, DISK, CONFIG = "state", "memory", "disk.img", "config.img"
+STATE, MEMORY, DISK, CONFIG = "state", "memory", "disk.packed", "config.img"
 
 
 @dataclass(frozen=True)

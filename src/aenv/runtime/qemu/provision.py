@@ -52,7 +52,7 @@ async def files_from_image(m: Machine, image_dir: Path, record: image.ImageRecor
     if record.memory_file:  # mapped privately: its pages shared until written
         m.ram, m.ram_shared = image_dir / image.MEMORY, False
     await asyncio.gather(
-        disks.copy_file(image_dir / image.DISK, m.disk),
+        asyncio.to_thread(disks.unpack, image_dir / image.DISK, m.disk),
         disks.copy_file(image_dir / image.CONFIG, m.config_disk),
     )
 

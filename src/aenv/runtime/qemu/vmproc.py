@@ -128,6 +128,16 @@ def exit_cause(m: Machine) -> str | None:
     return None
 
 
+def reap(pid: int) -> None:
+    """Reaps an exited QEMU when this process adopted it (a subreaper: a daemonized QEMU's
+    parent exits at once); only a QEMU zombie of ours, never another child's status."""
+    st = _proc.proc_stat(pid) if pid > 0 else None
+    if st is None or not st.dead or st.ppid != os.getpid() or not st.comm.startswith("qemu"):
+        return
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
 @dataclass
 class _Sample:
     cpu_s: float
