@@ -12,6 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
+from aenv.cli.bench import select_rows
+from aenv.cli.errors import CliError
 from bench import client, harness, hostproc, report, scenarios, stats
 from bench import plan as plan_mod
 
@@ -400,3 +402,17 @@ async def test_fork_and_snapshot_rows_with_a_failing_delete() -> None:
     )
     assert failed == ["delete snapshot snap1: HTTP 409: in use"]
     assert sorted(fake.killed) == sorted(fake.made)
+
+
+def test_only_takes_row_names_and_patterns() -> None:
+    qemu = select_rows("qemu_*", report.REQUIRED)
+    assert "qemu_fork_1" in qemu and "qemu_idle_sandbox_mc" in qemu
+    assert all(r.startswith("qemu_") for r in qemu)
+    assert select_rows(" exec_roundtrip , qemu_pause", report.REQUIRED) == {
+        "exec_roundtrip",
+        "qemu_pause",
+    }
+    with pytest.raises(CliError, match="unknown rows: exec_rountrip, nope_"):
+        select_rows("exec_rountrip,qemu_*,nope_*", report.REQUIRED)
+    with pytest.raises(CliError, match="names no rows"):
+        select_rows(" , ", report.REQUIRED)

@@ -9,6 +9,7 @@ the current directory."""
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import os
 import sys
 import time
@@ -149,7 +150,11 @@ def bench(
     ] = True,
     only: Annotated[
         str | None,
-        typer.Option("--only", metavar="ROWS", help="Comma-separated row names to measure."),
+        typer.Option(
+            "--only",
+            metavar="ROWS",
+            help="Comma-separated row names (or shell patterns: 'qemu_*') to measure.",
+        ),
     ] = None,
     results_dir: Annotated[
         Path | None,
@@ -193,12 +198,7 @@ def bench(
             "the bench needs root (it starts servers and runs runsc); "
             "use --url with --no-baseline otherwise"
         )
-    rows: set[str] | None = None
-    if only:
-        rows = {r.strip() for r in only.split(",") if r.strip()}
-        unknown = rows - set(report.REQUIRED)
-        if unknown:
-            raise CliError(f"unknown rows: {', '.join(sorted(unknown))}")
+    rows = select_rows(only, report.REQUIRED) if only else None
     opts = harness.Options(
         quick=quick,
         url=url,
@@ -225,3 +225,23 @@ def bench(
         f"aenv: bench finished in {time.monotonic() - t0:.0f}s; results in {out} "
         f"(Markdown: .venv/bin/python bench/report.py)\n"
     )
+
+
+def select_rows(only: str, known: list[str] | tuple[str, ...]) -> set[str]:
+    """The rows `--only` names: each comma-separated item a row or a shell pattern over
+    the rows; one that names none is an error (a typo must not measure nothing)."""
+    rows: set[str] = set()
+    unknown: list[str] = []
+    for item in (r.strip() for r in only.split(",")):
+        if not item:
+            continue
+        hits = fnmatch.filter(known, item)
+        if hits:
+            rows.update(hits)
+        else:
+            unknown.append(item)
+    if unknown:
+        raise CliError(f"unknown rows: {', '.join(unknown)}")
+    if not rows:
+        raise CliError("--only names no rows")
+    return rows
