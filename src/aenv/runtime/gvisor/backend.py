@@ -15,7 +15,6 @@ from typing import Any
 from aenv.background import Background
 from aenv.config import Settings
 from aenv.domain import ENVD_PORT, EgressPolicy
-from aenv.egress import SecretLookup
 from aenv.errors import RuntimeFailure
 from aenv.runtime import checkpoints, naps, priority, rootfs
 from aenv.runtime.base import Instance, Runtime, SandboxSpec, Stats
@@ -30,12 +29,13 @@ from aenv.runtime.gvisor.runsc import Runsc, gather_quiet
 from aenv.runtime.gvisor.stats import StatsReader, exit_cause
 from aenv.runtime.net.egress_ca import EgressCA
 from aenv.runtime.net.network import Network, Slot, SlotAddressing, SlotPool
+from aenv.runtime.net.slot_egress import SlotEgress
 from aenv.runtime.rootfs import RootfsMounts
 
 log = logging.getLogger("aenv.runtime")
 
 
-class GVisorRuntime(Runtime):
+class GVisorRuntime(SlotEgress, Runtime):
     name = "gvisor"
 
     def __init__(self, settings: Settings, *, debug: bool | None = None) -> None:
@@ -481,20 +481,6 @@ class GVisorRuntime(Runtime):
 
     async def exit_cause(self, inst: Instance) -> str | None:
         return await asyncio.to_thread(exit_cause, self._view(inst))
-
-    def use_secrets(self, lookup: SecretLookup) -> None:
-        self.network.proxies.secrets = lookup
-
-    @property
-    def egress_ca_pem(self) -> bytes | None:
-        return self.egress_ca.pem or None
-
-    async def set_egress(self, inst: Instance, policy: EgressPolicy) -> None:
-        # The rules live in the slot, not the container: running, frozen or stopped alike.
-        held = self._live.get(inst.id)
-        if held is None or inst.id in self._destroying:
-            raise RuntimeFailure(f"container {inst.id} is not a sandbox of this runtime")
-        await self.network.apply_egress(held.slot, policy)
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:

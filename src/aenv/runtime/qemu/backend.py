@@ -15,12 +15,12 @@ from pathlib import Path
 from aenv.background import Background
 from aenv.config import Settings
 from aenv.domain import EgressPolicy
-from aenv.egress import SecretLookup
 from aenv.errors import RuntimeFailure
 from aenv.runtime import _proc
 from aenv.runtime.base import Instance, Runtime, SandboxSpec, Stats
 from aenv.runtime.net.egress_ca import EgressCA
 from aenv.runtime.net.network import Network, Slot, SlotAddressing, SlotPool
+from aenv.runtime.net.slot_egress import SlotEgress
 from aenv.runtime.qemu import disks, guest, image, provision, qmp, vmproc
 from aenv.runtime.qemu.machine import (
     Control,
@@ -35,7 +35,7 @@ from aenv.runtime.rootfs import RootfsMounts
 log = logging.getLogger("aenv.runtime")
 
 
-class QemuRuntime(Runtime):
+class QemuRuntime(SlotEgress, Runtime):
     name = "qemu"
 
     def __init__(self, settings: Settings) -> None:
@@ -447,16 +447,3 @@ class QemuRuntime(Runtime):
 
     async def stats(self, inst: Instance) -> Stats:
         return await asyncio.to_thread(self.meter.stats, self._view(inst))
-
-    def use_secrets(self, lookup: SecretLookup) -> None:
-        self.network.proxies.secrets = lookup
-
-    @property
-    def egress_ca_pem(self) -> bytes | None:
-        return self.egress_ca.pem or None
-
-    async def set_egress(self, inst: Instance, policy: EgressPolicy) -> None:
-        m = self._live.get(inst.id)
-        if m is None or inst.id in self._destroying:
-            raise RuntimeFailure(f"{inst.id} is not a sandbox of this runtime")
-        await self.network.apply_egress(m.slot, policy)
