@@ -95,6 +95,26 @@ pem = serialization.Encoding.PEM
 EOF
 cat /etc/ssl/certs/ca-certificates.crt "$OUT/ca.crt" >"$OUT/bundle.crt" 2>/dev/null || cp "$OUT/ca.crt" "$OUT/bundle.crt"
 
+# The clients first: installing them (pip, pnpm) takes both cores for a while, and a node
+# that just started (boot snapshot, pool, template builds) must not share them with it.
+py_setup() {
+  [ -x "$E2B_VENV/bin/pytest" ] && "$E2B_VENV/bin/python" -c 'import e2b, xdist, pytest_asyncio, pytest_timeout' 2>/dev/null && return
+  python3 -m venv "$E2B_VENV"
+  "$E2B_VENV/bin/pip" install -q -e "$e2b/packages/python-sdk" 'pytest>=9,<10' 'pytest-xdist>=3.3,<4' \
+    'python-dotenv>=1,<2' 'pytest-dotenv>=0.5.2,<0.6' 'pytest-asyncio>=1.3,<2' 'pytest-timeout>=2.4,<3'
+}
+
+js_setup() {
+  [ -d "$e2b/packages/js-sdk/node_modules/vitest" ] && return
+  local pnpm
+  pnpm=$(sed -n 's/.*"packageManager": *"\(pnpm@[^"]*\)".*/\1/p' "$e2b/package.json")
+  (cd "$e2b" && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 CI=1 npx -y "${pnpm:-pnpm@10}" install --filter 'e2b...' --frozen-lockfile --config.engine-strict=false)
+}
+
+for s in "${suites[@]}"; do
+  case $s in py-*) py_setup || exit 1 ;; js) js_setup || exit 1 ;; esac
+done
+
 # The node, in the background with its own log; stopped by its pid whatever happens next.
 KEY=e2b_$(openssl rand -hex 20)
 node_pid=
@@ -124,31 +144,15 @@ unset E2B_API_URL E2B_SANDBOX_URL E2B_VOLUME_API_URL E2B_DEBUG E2B_ACCESS_TOKEN
 client_env=(E2B_DOMAIN=$DOMAIN E2B_API_KEY=$KEY SSL_CERT_FILE=$OUT/bundle.crt
   REQUESTS_CA_BUNDLE=$OUT/bundle.crt NODE_EXTRA_CA_CERTS=$OUT/ca.crt)
 
-py_setup() {
-  [ -x "$E2B_VENV/bin/pytest" ] && "$E2B_VENV/bin/python" -c 'import e2b, xdist, pytest_asyncio, pytest_timeout' 2>/dev/null && return
-  python3 -m venv "$E2B_VENV"
-  "$E2B_VENV/bin/pip" install -q -e "$e2b/packages/python-sdk" 'pytest>=9,<10' 'pytest-xdist>=3.3,<4' \
-    'python-dotenv>=1,<2' 'pytest-dotenv>=0.5.2,<0.6' 'pytest-asyncio>=1.3,<2' 'pytest-timeout>=2.4,<3'
-}
-
-js_setup() {
-  [ -d "$e2b/packages/js-sdk/node_modules/vitest" ] && return
-  local pnpm
-  pnpm=$(sed -n 's/.*"packageManager": *"\(pnpm@[^"]*\)".*/\1/p' "$e2b/package.json")
-  (cd "$e2b" && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 CI=1 npx -y "${pnpm:-pnpm@10}" install --filter 'e2b...' --frozen-lockfile --config.engine-strict=false)
-}
-
 run_suite() {
   local suite=$1 report=$OUT/$1.xml
   echo "== $suite"
   case $suite in
     py-*)
-      py_setup || return 1
       (cd "$e2b/packages/python-sdk" && env "${client_env[@]}" "$E2B_VENV/bin/pytest" -q -rfE \
         --numprocesses="$WORKERS" --junitxml="$report" "tests/${suite#py-}")
       ;;
     js)
-      js_setup || return 1
       # Every project but the browser one (E2B's CI runs it in Playwright's Chromium).
       (cd "$e2b/packages/js-sdk" && env "${client_env[@]}" npx vitest run \
         --project unit --project template --project connectionConfig --maxWorkers="$WORKERS" \
