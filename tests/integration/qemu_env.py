@@ -51,7 +51,7 @@ def assert_no_traces(settings: Settings) -> None:
     traces = {k: v for k, v in host_traces(settings).items() if k != "containers"}
     traces["qemu"] = [str(p) for p in qemu_processes(settings)]
     ram = Path("/dev/shm") / f"aenv-{settings.net_prefix}"
-    traces["ram"] = [str(p) for p in ram.iterdir()] if ram.is_dir() else []
+    traces["ram"] = [str(ram)] if ram.exists() else []
     vms = settings.home / "qemu" / "vms"
     traces["vms"] = [str(p) for p in vms.iterdir()] if vms.is_dir() else []
     assert all(not v for v in traces.values()), traces

@@ -87,6 +87,9 @@ class QemuRuntime(SlotEgress, Runtime):
         await self.pool.close()
         await self._tasks.join()
         await self.network.close()
+        # VMs left running keep their RAM files here for the next start; none left: no trace.
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(self.ram_dir.rmdir)
 
     async def purge(self) -> None:
         """Removes every VM, slot, image and host rule of this home/prefix (tests, uninstall)."""
