@@ -3,6 +3,7 @@ record and the checkpoint image's record, the command line a restore must repeat
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -187,3 +188,33 @@ def test_a_packed_disk_holds_its_written_extents_only(tmp_path: Path) -> None:
     (tmp_path / "junk").write_bytes(b"not a disk")
     with pytest.raises(RuntimeFailure):
         disks.unpack(tmp_path / "junk", back)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("mkfs.ext4") is None, reason="needs root and mkfs.ext4"
+)
+async def test_files_go_out_of_a_guest_disk_whole_or_not_at_all(tmp_path: Path) -> None:
+    """A stopped guest's files reach the host's upper dir through its disk; a disk that
+    cannot be read leaves the last good copy there (not an emptied dir)."""
+    upper = tmp_path / "upper"
+    (upper / "etc").mkdir(parents=True)
+    (upper / "etc" / "motd").write_text("made in the guest\n")
+    (upper / "root").mkdir(mode=0o700)
+    os.symlink("etc/motd", upper / "link")
+    disk = tmp_path / "disk.img"
+    await disks.disk_from_upper(upper, disk, 64)
+
+    host = tmp_path / "host-upper"
+    (host / "stale").mkdir(parents=True)
+    await disks.copy_upper_out(disk, host)
+    assert (host / "etc" / "motd").read_text() == "made in the guest\n"
+    assert os.readlink(host / "link") == "etc/motd"
+    assert (host / "root").stat().st_mode & 0o777 == 0o700
+    assert not (host / "stale").exists()
+
+    broken = tmp_path / "broken.img"
+    broken.write_bytes(b"\0" * 1024 * 1024)
+    with pytest.raises(RuntimeFailure):
+        await disks.copy_upper_out(broken, host)
+    assert (host / "etc" / "motd").read_text() == "made in the guest\n"
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]

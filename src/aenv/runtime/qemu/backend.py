@@ -8,9 +8,12 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import shlex
 import shutil
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 from aenv.background import Background
 from aenv.config import Settings
@@ -188,7 +191,7 @@ class QemuRuntime(SlotEgress, Runtime):
                 files = provision.files_from_image(m, image_dir, record)
             else:
                 files = provision.files_for(self.images, m, spec)
-            await asyncio.gather(net, files)
+            await _both(net, files)
             await self._start_vm(m, image_dir, record)
         except BaseException:
             if m is not None:
@@ -245,6 +248,9 @@ class QemuRuntime(SlotEgress, Runtime):
         )
         m.pid = await asyncio.to_thread(vmproc.read_pid, m)
         m.started_at = time.time()
+        # Its pid on disk at once: a crash during a restore's migration must not leave a
+        # QEMU that recovery cannot find.
+        await asyncio.to_thread(m.save)
         await asyncio.to_thread(vmproc.confine, m)
         if image_dir is not None and record is not None:
             m.restored_from = str(image_dir)
@@ -253,7 +259,11 @@ class QemuRuntime(SlotEgress, Runtime):
                 "migrate-set-capabilities",
                 capabilities=[{"capability": "x-ignore-shared", "state": record.memory_file}],
             )
-            await qmp.call(m.qmp, "migrate-incoming", uri=f"exec:cat {image_dir / image.STATE}")
+            await qmp.call(
+                m.qmp,
+                "migrate-incoming",
+                uri=f"exec:cat {shlex.quote(str(image_dir / image.STATE))}",
+            )
             await qmp.wait_migration(m.qmp)
             if await qmp.status(m.qmp) != "running":
                 await qmp.call(m.qmp, "cont")
@@ -299,8 +309,10 @@ class QemuRuntime(SlotEgress, Runtime):
         self._busy.add(inst.id)
         try:
             if not m.checkpointed and vmproc.running(m):
-                with contextlib.suppress(RuntimeFailure):
-                    await self._sync_guest(m)
+                with contextlib.suppress(RuntimeFailure, OSError):
+                    # A paused guest synced as it was paused, and cannot answer now.
+                    if await qmp.status(m.qmp) == "running":
+                        await self._sync_guest(m)
             await self._end_vm(m)
             if m.upper is not None:
                 try:
@@ -426,7 +438,9 @@ class QemuRuntime(SlotEgress, Runtime):
             "migrate-set-capabilities",
             capabilities=[{"capability": "x-ignore-shared", "state": m.ram_shared}],
         )
-        await qmp.call(m.qmp, "migrate", uri=f"exec:cat > {image_dir / image.STATE}")
+        await qmp.call(
+            m.qmp, "migrate", uri=f"exec:cat > {shlex.quote(str(image_dir / image.STATE))}"
+        )
         await qmp.wait_migration(m.qmp)
         copies = [
             asyncio.to_thread(disks.pack, m.disk, image_dir / image.DISK),
@@ -450,3 +464,14 @@ class QemuRuntime(SlotEgress, Runtime):
 
     async def stats(self, inst: Instance) -> Stats:
         return await asyncio.to_thread(self.meter.stats, self._view(inst))
+
+
+async def _both(a: Coroutine[Any, Any, None], b: Coroutine[Any, Any, None]) -> None:
+    """Both, concurrently; when one fails the other is cancelled and waited for, so the
+    cleanup that follows never races a half of the setup still at work."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(a)
+            group.create_task(b)
+    except BaseExceptionGroup as failed:  # the first failure, as `gather` would raise it
+        raise failed.exceptions[0] from None

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import secrets
 import shutil
 import struct
 import tempfile
@@ -193,25 +194,43 @@ async def copy_upper_out(disk: Path, upper: Path) -> None:
     a guest `sync`, its vCPUs stopped or the guest gone): the file system is mounted read-only
     through a loop device and its `upper/` copied with modes, owners, xattrs (overlayfs's
     opaque marks) and whiteouts (0/0 character devices)."""
+    # Copied beside it and swapped in whole: a copy that fails (the host's disk full, the
+    # guest's disk unreadable) leaves the last good copy in place.
+    stage = upper.with_name(f".{upper.name}.new-{secrets.token_hex(4)}")
     mnt = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="aenv-qdisk-"))
     try:
+        await asyncio.to_thread(_dir_like, upper, stage)
         await _proc.run(["mount", "-o", "ro,loop,noexec,nosuid,nodev", str(disk), str(mnt)])
         try:
-            await asyncio.to_thread(_clear, upper)
             if await asyncio.to_thread((mnt / "upper").is_dir):
                 await _proc.run(
-                    ["cp", "-a", "--reflink=auto", f"{mnt}/upper/.", f"{upper}/"], time_limit=1800
+                    ["cp", "-a", "--reflink=auto", f"{mnt}/upper/.", f"{stage}/"], time_limit=1800
                 )
         finally:
             await _proc.run(["umount", str(mnt)], check=False)
+        await asyncio.to_thread(_swap, stage, upper)
+    except OSError as e:
+        raise RuntimeFailure(f"copying the files out of {disk}: {e}") from e
     finally:
+        await asyncio.to_thread(shutil.rmtree, stage, True)
         with contextlib.suppress(OSError):
             await asyncio.to_thread(mnt.rmdir)
 
 
-def _clear(d: Path) -> None:
-    for entry in list(d.iterdir()):
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
+def _dir_like(model: Path, new: Path) -> None:
+    new.mkdir()
+    st = model.stat()
+    os.chown(new, st.st_uid, st.st_gid)
+    shutil.copystat(model, new)
+
+
+def _swap(new: Path, target: Path) -> None:
+    """`new` in place of the directory `target`, whose old contents go."""
+    old = target.with_name(f".{target.name}.old-{secrets.token_hex(4)}")
+    os.rename(target, old)
+    try:
+        os.rename(new, target)
+    except OSError:
+        os.rename(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

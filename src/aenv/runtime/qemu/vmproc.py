@@ -75,15 +75,21 @@ def read_pid(m: Machine) -> int:
     return 0
 
 
+def _pid(m: Machine) -> int:
+    # Not yet in the record (a crash or a cancel right after QEMU daemonized): its pid file.
+    return m.pid if m.pid > 0 else read_pid(m)
+
+
 def running(m: Machine) -> bool:
     """Whether the VM's QEMU runs (the pid is checked to be that VM's: pids are reused)."""
-    if m.pid <= 0:
+    pid = _pid(m)
+    if pid <= 0:
         return False
     try:
-        cmdline = Path(f"/proc/{m.pid}/cmdline").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    st = _proc.proc_stat(m.pid)
+    st = _proc.proc_stat(pid)
     return f"aenv-{m.id}".encode() in cmdline.split(b"\0") and st is not None and not st.dead
 
 
@@ -91,9 +97,10 @@ def kill(m: Machine) -> int:
     """SIGKILLs the VM's QEMU if it runs; returns its pid (0 when none ran)."""
     if not running(m):
         return 0
+    pid = _pid(m)
     with contextlib.suppress(ProcessLookupError):
-        os.kill(m.pid, signal.SIGKILL)
-    return m.pid
+        os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 # Consoles of removed VMs kept for a post-mortem (`$AENV_HOME/qemu/consoles/<id>.log`).
