@@ -126,8 +126,10 @@ def test_an_image_record_is_checked_before_a_restore(tmp_path: Path) -> None:
     d = tmp_path / "img"
     d.mkdir()
     assert not image.complete(d)
-    (d / image.STATE).write_bytes(b"x")
     (d / image.RECORD).write_text(image.ImageRecord.of(m).to_json())
+    for f in (image.STATE, image.DISK, image.CONFIG, image.MEMORY):
+        assert not image.complete(d)  # every file the record implies, or it is not whole
+        (d / f).write_bytes(b"x")
     assert image.complete(d)
     rec = image.ImageRecord.from_json((d / image.RECORD).read_text())
     assert rec == image.ImageRecord.of(m) and rec.memory_file

@@ -63,11 +63,13 @@ class ImageRecord:
 
 
 def complete(image_dir: Path) -> bool:
+    """A record, and every file it implies (a copy of an image may have lost one)."""
     try:
-        ImageRecord.from_json((image_dir / RECORD).read_text())
+        record = ImageRecord.from_json((image_dir / RECORD).read_text())
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return (image_dir / STATE).is_file()
+    files = [STATE, DISK, CONFIG, *([MEMORY] if record.memory_file else [])]
+    return all((image_dir / f).is_file() for f in files)
 
 
 def read(image_dir: Path, accel: str) -> ImageRecord:
