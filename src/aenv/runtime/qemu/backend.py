@@ -200,6 +200,8 @@ class QemuRuntime(SlotEgress, Runtime):
             if held is None and slot is not None:
                 with contextlib.suppress(Exception):
                     await self.pool.release(slot)
+            if held is not None:  # still the stopped sandbox it was, holding its slot
+                self._live[held.id] = held
             raise
         finally:
             if held is not None:
@@ -221,6 +223,9 @@ class QemuRuntime(SlotEgress, Runtime):
         if reuse.id in self._busy or reuse.id in self._destroying:
             raise RuntimeFailure(f"{reuse.id} is busy")
         self._busy.add(reuse.id)
+        # Out of the table while its slot goes to the new VM: a destroy of it meanwhile
+        # must not release that slot.
+        self._live.pop(reuse.id, None)
         return held
 
     async def _ready_slot(self, slot: Slot, policy: EgressPolicy) -> None:

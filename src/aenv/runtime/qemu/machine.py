@@ -260,10 +260,17 @@ class Control:
             # must not pass for this request's.
             n = secrets.randbelow(1 << 30)
             word, *args = request.split()
+            asked = asyncio.ensure_future(
+                asyncio.to_thread(_exchange, m.ctl, " ".join([word, str(n), *args]), n, timeout)
+            )
             try:
-                await asyncio.to_thread(
-                    _exchange, m.ctl, " ".join([word, str(n), *args]), n, timeout
-                )
+                await asyncio.shield(asked)
+            except asyncio.CancelledError:
+                # The thread reads on: the next request waits until it stopped, or it could
+                # take that request's answer for one of its own to skip.
+                with contextlib.suppress(Exception):
+                    await asked
+                raise
             except OSError as e:
                 raise RuntimeFailure(f"guest of {m.id}: {e}") from e
 
