@@ -12,6 +12,10 @@ from typing import TYPE_CHECKING
 from . import identity
 from .envrules import env_problem
 from .httpserver import READ_SIZE, HTTPError, Request, Response, log, serve_connection
+
+# Loaded with envd, not on the first /oom: by then the sandbox is out of memory and reading
+# a module can fail (ENOMEM), which cost a rescue its first seconds.
+from .oomkill import kill_largest
 from .rpc import Method, RPCError, dispatch
 from .state import State, User
 
@@ -203,8 +207,6 @@ class App:
             if m != "POST":
                 raise HTTPError(405, "method not allowed")
             self.http_auth(req)
-            from .oomkill import kill_largest
-
             force = req.query.get("force") == "1"
             await resp.send_json(200, await kill_largest(force=force))
             return
