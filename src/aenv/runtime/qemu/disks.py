@@ -23,6 +23,7 @@ import struct
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from aenv.errors import RuntimeFailure
 from aenv.runtime import _proc
@@ -135,13 +136,7 @@ def pack(source: Path, target: Path) -> None:
             end = os.lseek(src.fileno(), start, os.SEEK_HOLE)
             out.write(_EXTENT.pack(start, end - start))
             src.seek(start)
-            left = end - start
-            while left:
-                chunk = src.read(min(_CHUNK, left))
-                if not chunk:
-                    raise OSError(f"{source} shrank while it was packed")
-                out.write(chunk)
-                left -= len(chunk)
+            _copy_bytes(src, out, end - start, f"{source} shrank while it was packed")
             at = end
 
 
@@ -155,14 +150,19 @@ def unpack(source: Path, target: Path) -> None:
         while head := src.read(_EXTENT.size):
             if len(head) != _EXTENT.size:
                 raise RuntimeFailure(f"{source} is cut short")
-            start, left = _EXTENT.unpack(head)
+            start, length = _EXTENT.unpack(head)
             out.seek(start)
-            while left:
-                chunk = src.read(min(_CHUNK, left))
-                if not chunk:
-                    raise RuntimeFailure(f"{source} is cut short")
-                out.write(chunk)
-                left -= len(chunk)
+            _copy_bytes(src, out, length, f"{source} is cut short")
+
+
+def _copy_bytes(src: BinaryIO, out: BinaryIO, n: int, short: str) -> None:
+    """`n` bytes from `src` to `out`; `RuntimeFailure(short)` when `src` ends first."""
+    while n:
+        chunk = src.read(min(_CHUNK, n))
+        if not chunk:
+            raise RuntimeFailure(short)
+        out.write(chunk)
+        n -= len(chunk)
 
 
 async def copy_file(source: Path, target: Path) -> None:
