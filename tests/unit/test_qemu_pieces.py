@@ -3,7 +3,9 @@ record and the checkpoint image's record, the command line a restore must repeat
 
 from __future__ import annotations
 
+import errno
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,6 +18,7 @@ from aenv.runtime import checkpoints
 from aenv.runtime.base import SandboxSpec
 from aenv.runtime.qemu import disks, image, vmproc
 from aenv.runtime.qemu.guest import _newc
+from aenv.runtime.qemu.guestinit import reseed_program
 from aenv.runtime.qemu.machine import Drive, Machine, argv, config_script, new_machine_id
 
 
@@ -69,6 +72,23 @@ def test_the_initramfs_is_a_newc_archive(tmp_path: Path) -> None:
         subprocess.run(["cpio", "-id"], input=data, cwd=out, capture_output=True, check=True)
         assert (out / "bin" / "x").read_bytes() == b"abcde"
         assert (out / "l").is_symlink()
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or os.geteuid() != 0 or not shutil.which("setpriv"),
+    reason="runs the guest's x86-64 program here, as root and as nobody",
+)
+def test_the_guests_reseed_program_makes_the_reseed_ioctl(tmp_path: Path) -> None:
+    """The program a restored guest runs to reseed its kernel's generator (fork children
+    must not share random bytes): on this host's kernel it is a valid program whose ioctl
+    root may make and nobody else (EPERM is that ioctl's own refusal; a wrong request number
+    would be ENOTTY, a broken program no exit status at all)."""
+    prog = tmp_path / "reseed"
+    prog.write_bytes(reseed_program())
+    prog.chmod(0o755)
+    assert subprocess.run([str(prog)], timeout=10).returncode == 0
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(prog)]
+    assert subprocess.run(nobody, timeout=10).returncode == errno.EPERM
 
 
 @pytest.mark.skipif(not Path("/bin/sh").exists(), reason="needs a shell")

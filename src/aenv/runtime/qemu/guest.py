@@ -24,7 +24,7 @@ from pathlib import Path
 
 from aenv.errors import RuntimeFailure
 from aenv.runtime import _proc
-from aenv.runtime.qemu.guestinit import INIT
+from aenv.runtime.qemu.guestinit import INIT, reseed_program
 
 log = logging.getLogger("aenv.runtime")
 
@@ -99,6 +99,7 @@ def _initrd_entries(guest_dir: Path) -> list[tuple[str, int, bytes]]:
         "chroot",
     ):
         entries.append((f"bin/{applet}", ln, b"busybox"))
+    entries.append(("bin/reseed", f | 0o755, reseed_program()))
     entries.append(("init", f | 0o755, INIT.encode()))
     modules = guest_dir / "modules"
     order = (modules / "order").read_text()
