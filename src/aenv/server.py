@@ -48,7 +48,7 @@ from .runtime.bundle_build import ensure_bundle
 from .runtime.select import make_runtime
 from .runtime.storage.cowpool import open_pool
 from .secretstore import SecretStore
-from .serving import Part, QuietServer, check_tls, lifespan_of, uvicorn_config
+from .serving import Part, Parts, QuietServer, check_tls, uvicorn_config
 from .snapshots import SnapshotStore, open_repository
 from .telemetry import HttpMetricsMiddleware, MetricsListener
 
@@ -100,7 +100,15 @@ class _KeyBootstrap:
         return None
 
 
-def node_app(settings: Settings, orchestrator: Orchestrator | None = None) -> ASGIApp:
+@dataclass(frozen=True)
+class Served:
+    """An ASGI app and the parts behind its lifespan (the server calls their `stopping`)."""
+
+    app: ASGIApp
+    parts: Parts
+
+
+def node_served(settings: Settings, orchestrator: Orchestrator | None = None) -> Served:
     """The node's one ASGI app and its parts (`orchestrator`: one already built, as tests
     give one over the fake runtime)."""
     orch = orchestrator if orchestrator is not None else build_orchestrator(settings)
@@ -114,11 +122,14 @@ def node_app(settings: Settings, orchestrator: Orchestrator | None = None) -> AS
         parts.append(NodeAgent(settings, orch, ClusterState(settings.redis_url), secrets))
     if settings.metrics_listen:
         parts.append(MetricsListener(settings.metrics_listen, orch.stats.exposition))
-    app = create_app(
-        settings, orch, keys=keys, builder=builder, secrets=secrets, lifespan=lifespan_of(*parts)
-    )
+    lifespan = Parts(*parts)
+    app = create_app(settings, orch, keys=keys, builder=builder, secrets=secrets, lifespan=lifespan)
     # Outside the data-plane router: sandbox traffic is counted too (as `data-plane`).
-    return HttpMetricsMiddleware(app, orch.stats.http)
+    return Served(HttpMetricsMiddleware(app, orch.stats.http), lifespan)
+
+
+def node_app(settings: Settings, orchestrator: Orchestrator | None = None) -> ASGIApp:
+    return node_served(settings, orchestrator).app
 
 
 @dataclass
@@ -156,7 +167,7 @@ def gateway_app(settings: Settings) -> ASGIApp:
             MetricsListener(settings.metrics_listen, partial(metrics.exposition, directory.nodes))
         )
     parts.append(LostSweep(settings, state, gateway.events))
-    lifespan = lifespan_of(*parts, _Closing(nodes.aclose), _Closing(state.close))
+    lifespan = Parts(*parts, _Closing(nodes.aclose), _Closing(state.close))
     # The node API's request ids: the gateway's answers carry one too, and it goes on to
     # the node with the request (the node keeps a usable id it is given).
     ids = [Middleware(RequestId, access_log=settings.access_log)]
@@ -177,10 +188,11 @@ def serve(settings: Settings) -> None:
     # Worker threads (file copies, checkpoints) hand the GIL back to the event loop sooner:
     # a request waits on it at most ~1 ms a switch instead of 5.
     sys.setswitchinterval(0.001)
-    app = node_app(settings)
+    served = node_served(settings)
     # A log line, not a print: with AENV_LOG_FORMAT=json every line of stderr is JSON.
     log.info("serving on %s (home %s)", settings.url, settings.home)
-    QuietServer(uvicorn_config(app, settings, WS_SERVER_OPTIONS)).run()
+    config = uvicorn_config(served.app, settings, WS_SERVER_OPTIONS)
+    QuietServer(config, served.parts.stopping).run()
 
 
 def serve_gateway(settings: Settings) -> None:

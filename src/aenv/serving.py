@@ -1,23 +1,31 @@
 """Serving one port with uvicorn, for a node and a gateway alike: the TLS files checked at
 start-up, the server loop's own wake-ups kept few, asyncio's child processes waited for on
-the loop, and the one lifespan that starts and closes a process's parts."""
+the loop, and the one lifespan that starts and closes a process's parts.
+
+A stop (SIGTERM, Ctrl-C) goes: the parts' `stopping` work while the port still serves (a
+cluster node's drain), then uvicorn's stop, which waits for the requests in flight at most
+`stop_grace_seconds` (an open command stream or PTY never ends on its own), then the parts'
+`close` in reverse order."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import ssl
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import uvicorn
 from starlette.types import ASGIApp
 
 from .config import Settings
 from .errors import AenvError
+
+log = logging.getLogger("aenv.server")
 
 
 def check_tls(settings: Settings) -> None:
@@ -54,7 +62,19 @@ def watch_children_by_pidfd() -> None:
 
 class QuietServer(uvicorn.Server):
     """uvicorn, waking once a second instead of ten times to see whether to stop: an idle
-    node's own CPU is a cost per node (a stop is noticed within a second)."""
+    node's own CPU is a cost per node (a stop is noticed within a second). `stopping` runs
+    first when told to stop, while the port still serves (`Parts.stopping`)."""
+
+    def __init__(
+        self, config: uvicorn.Config, stopping: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        super().__init__(config)
+        self._stopping = stopping
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._stopping is not None:
+            await self._stopping()
+        await super().shutdown(sockets)
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         watch_children_by_pidfd()
@@ -83,6 +103,7 @@ def uvicorn_config(app: ASGIApp, settings: Settings, ws_options: dict[str, Any])
         access_log=False,
         lifespan="on",
         timeout_keep_alive=75,
+        timeout_graceful_shutdown=settings.stop_grace_seconds,
         # The proxy passes the sandbox's own headers through; uvicorn must not add a second set.
         server_header=False,
         date_header=False,
@@ -104,16 +125,35 @@ class Part(Protocol):
     async def close(self) -> None: ...
 
 
-def lifespan_of(*parts: Part) -> Lifespan:
-    """One ASGI lifespan for a process's parts: started in order, closed in reverse; a
-    start that fails closes those already started."""
+@runtime_checkable
+class StopsFirst(Protocol):
+    """A part with work to do as soon as its process is told to stop, while the port still
+    serves: a cluster node drains its sandboxes then (which ends their streams) rather than
+    after every open connection ended."""
+
+    async def stopping(self) -> None: ...
+
+
+class Parts:
+    """A process's parts as its one ASGI lifespan (`parts(app)`): started in order, closed
+    in reverse; a start that fails closes those already started. `stopping` is for the
+    server to call at a stop, before it waits for the requests in flight."""
+
+    def __init__(self, *parts: Part) -> None:
+        self.parts = parts
 
     @asynccontextmanager
-    async def lifespan(_app: Any) -> AsyncIterator[None]:
+    async def __call__(self, _app: Any) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
-            for part in parts:
+            for part in self.parts:
                 await part.start()
                 stack.push_async_callback(part.close)
             yield
 
-    return lifespan
+    async def stopping(self) -> None:
+        for part in reversed(self.parts):
+            if isinstance(part, StopsFirst):
+                try:
+                    await part.stopping()
+                except Exception:
+                    log.exception("%s failed at the stop", type(part).__name__)

@@ -294,17 +294,23 @@ def test_drain_moves_sandboxes_on_resume(cluster: Cluster) -> None:
 def test_a_stopped_node_hands_its_running_sandboxes_over(cluster: Cluster) -> None:
     """SIGTERM (a pod deleted, `docker stop`): the node first puts its sandboxes into the
     repository; one that was running stays running to its user, and its next command
-    through a gateway, with no resume of the SDK's, runs on another node."""
+    through a gateway, with no resume of the SDK's, runs on another node. The command's
+    output stream, still open, does not hold the stop up (it would never end)."""
     a = cluster.gateways[0]
     s = cluster.create(a)
     s.files.write("/home/user/stop.txt", "outlived its node")
-    s.commands.run("sleep 7171", background=True)
+    handle = s.commands.run("sleep 7171", background=True)
     source = cluster.node_of(s.sandbox_id)
     srv = cluster.nodes[source]
     assert srv.proc is not None and srv.log_path is not None
     srv.proc.send_signal(signal.SIGTERM)
-    assert srv.proc.wait(240) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
+    try:
+        assert srv.proc.wait(240) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
+    except subprocess.TimeoutExpired:
+        tail = srv.log_path.read_text(errors="replace")[-3000:]
+        raise AssertionError(f"the node did not stop; its log ends:\n{tail}") from None
     srv.proc = None
+    handle.disconnect()
     log = srv.log_path.read_text(errors="replace")
     assert f"node {source} drained at stop" in log and "stays on node" not in log
     out = s.commands.run("cat /home/user/stop.txt; ps aux")

@@ -1,11 +1,11 @@
-"""The one lifespan of a process's parts (`aenv.serving.lifespan_of`): started in order,
+"""The one lifespan of a process's parts (`aenv.serving.Parts`): started in order,
 closed in reverse, and a start that fails leaves nothing of the others running."""
 
 from __future__ import annotations
 
 import pytest
 
-from aenv.serving import lifespan_of
+from aenv.serving import Parts
 
 
 class Part:
@@ -23,7 +23,7 @@ class Part:
 
 async def test_parts_start_in_order_and_close_in_reverse() -> None:
     journal: list[str] = []
-    lifespan = lifespan_of(*(Part(n, journal) for n in ("keys", "orchestrator", "builder")))
+    lifespan = Parts(*(Part(n, journal) for n in ("keys", "orchestrator", "builder")))
     async with lifespan(None):
         assert journal == ["start keys", "start orchestrator", "start builder"]
     assert journal[3:] == ["close builder", "close orchestrator", "close keys"]
@@ -33,7 +33,7 @@ async def test_a_failed_start_closes_what_had_started() -> None:
     journal: list[str] = []
     parts = (Part("orchestrator", journal), Part("agent", journal, fail=True), Part("x", journal))
     with pytest.raises(RuntimeError, match="agent cannot start"):
-        async with lifespan_of(*parts)(None):
+        async with Parts(*parts)(None):
             pass
     assert journal == ["start orchestrator", "close orchestrator"]
 
@@ -41,6 +41,6 @@ async def test_a_failed_start_closes_what_had_started() -> None:
 async def test_parts_close_even_when_serving_fails() -> None:
     journal: list[str] = []
     with pytest.raises(ValueError):
-        async with lifespan_of(Part("orchestrator", journal))(None):
+        async with Parts(Part("orchestrator", journal))(None):
             raise ValueError("the server stopped on an error")
     assert journal == ["start orchestrator", "close orchestrator"]

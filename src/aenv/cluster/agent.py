@@ -72,6 +72,7 @@ class NodeAgent:
         self._previous: set[str] | None = None
         self._task: asyncio.Task[None] | None = None
         self._failing = False
+        self._leaving = False
 
     async def start(self) -> None:
         await self._give_up_moved()
@@ -79,21 +80,32 @@ class NodeAgent:
         self._task = asyncio.create_task(self._loop(), name="aenv-heartbeat")
         log.info("node %s joined the cluster at %s as %s", self.node_id, self.state.url, self.url)
 
+    async def stopping(self) -> None:
+        """The stop's first step, while the node still serves (`serving.StopsFirst`): the
+        drain, whose hibernations end the sandboxes' open streams here."""
+        await self._drain_on_stop()
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await self._drain_on_stop()  # when the server did not call `stopping`
         with contextlib.suppress(Exception):
-            await self.beat(status="draining")  # going away: no new creates meanwhile
-        if self.settings.drain_on_stop and self.orch.templates.has_repository:
-            await self._drain_on_stop()
+            await self.beat()
         await self.state.close()
 
     async def _drain_on_stop(self) -> None:
         """Moves every sandbox into the repository, then says so in one last heartbeat:
         gateways move each to another node at its next request (a container's stop would
-        end them all otherwise)."""
+        end them all otherwise). Once per process."""
+        if self._leaving:
+            return
+        self._leaving = True  # every heartbeat from now on says "draining"
+        with contextlib.suppress(Exception):
+            await self.beat()  # going away: no new creates meanwhile
+        if not (self.settings.drain_on_stop and self.orch.templates.has_repository):
+            return
         started = time.monotonic()
         try:
             done = await self.orch.mover.drain()
@@ -111,7 +123,7 @@ class NodeAgent:
             time.monotonic() - started,
         )
         with contextlib.suppress(Exception):
-            await self.beat(status="draining")
+            await self.beat()
 
     async def _loop(self) -> None:
         while True:
@@ -129,7 +141,9 @@ class NodeAgent:
         return NodeRecord(
             node_id=self.node_id,
             url=self.url,
-            status="draining" if (status or info.status) == "draining" else "ready",
+            status="draining"
+            if self._leaving or (status or info.status) == "draining"
+            else "ready",
             started_at=self.started_at,
             version=__version__,
             cpu_count=info.cpu_count,

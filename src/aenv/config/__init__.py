@@ -213,6 +213,9 @@ class Settings(BaseSettings):
     # into the shared repository, so each resumes on another node at its next request
     # instead of dying with the container. Only with a repository (`snapshot_repo`).
     drain_on_stop: bool = True
+    # At a stop, how long requests in flight may go on (after that drain) before they are
+    # cut: a command's output stream or a PTY need never end on its own.
+    stop_grace_seconds: int = 10
     # A gateway marks a node unhealthy this long after its last heartbeat.
     node_dead_after: float = 6.0
     # Where a gateway learns node addresses: their Redis registrations, or also the
