@@ -64,6 +64,9 @@ async def test_a_stop_runs_stopping_first_and_cuts_endless_streams_after_the_gra
     settings = Settings(stop_grace_seconds=1)
     config = uvicorn_config(app_of(parts), settings, {})
     server = QuietServer(config, parts.stopping)
+    # QuietServer.serve installs a child watcher on this test's loop, which ends with the
+    # test: later tests' subprocesses need the one they had.
+    watcher = asyncio.get_child_watcher()
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     try:
         await async_wait_until(lambda: bool(server.started), what="uvicorn to start")
@@ -82,3 +85,4 @@ async def test_a_stop_runs_stopping_first_and_cuts_endless_streams_after_the_gra
         if not task.done():
             task.cancel()
         sock.close()
+        asyncio.set_child_watcher(watcher)
