@@ -31,8 +31,8 @@ PROMETHEUS = Path("/usr/bin/prometheus")
 
 
 @pytest.fixture(scope="module")
-def redis() -> Iterator[RedisServer]:
-    with redis_server(Path(tempfile.mkdtemp(prefix="aenv-prom-redis-"))) as srv:
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with redis_server(tmp_path_factory.mktemp("prom-redis")) as srv:
         yield srv
 
 
