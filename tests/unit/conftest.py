@@ -4,6 +4,7 @@ holding the test key (a module that needs other settings defines its own `node`)
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -71,6 +72,18 @@ def fake() -> Iterator[FakeAenv]:
     with http_server_thread(handler) as url:
         state.url = url
         yield state
+
+
+@pytest.fixture(autouse=True)
+def root_logging_kept() -> Iterator[None]:
+    """`aenv server` run through a CliRunner sets the root logger's handler to the runner's
+    stderr, closed after the invoke: every later log line of the test process would print
+    a "Logging error" instead."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture
