@@ -74,7 +74,13 @@ class QuietServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self._stopping is not None:
             await self._stopping()
-        await super().shutdown(sockets)
+        cut = _GraceCut()
+        uvicorn_log = logging.getLogger("uvicorn.error")
+        uvicorn_log.addFilter(cut)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            uvicorn_log.removeFilter(cut)
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         watch_children_by_pidfd()
@@ -87,6 +93,22 @@ class QuietServer(uvicorn.Server):
             counter = (counter + 10) % 864000  # on_tick's once-a-second work, every tick
             await asyncio.sleep(1.0)
             should_exit = await self.on_tick(counter)
+
+
+class _GraceCut(logging.Filter):
+    """uvicorn logs each request it cancels at the end of a stop's grace as an error with a
+    traceback. Cutting a stream that would never end is the plan there, so its own summary,
+    as one warning, says it all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, asyncio.CancelledError):
+            return False
+        if isinstance(record.msg, str) and record.msg.startswith("Cancel %s running task(s)"):
+            record.msg = "cut %s request(s) still open at the end of the stop's grace"
+            record.msg += " (AENV_STOP_GRACE_SECONDS)"
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
 
 
 def uvicorn_config(app: ASGIApp, settings: Settings, ws_options: dict[str, Any]) -> uvicorn.Config:

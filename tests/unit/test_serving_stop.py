@@ -8,6 +8,7 @@ import asyncio
 import time
 
 import httpx
+import pytest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aenv.config import Settings
@@ -55,7 +56,9 @@ def app_of(parts: Parts) -> ASGIApp:
     return app
 
 
-async def test_a_stop_runs_stopping_first_and_cuts_endless_streams_after_the_grace() -> None:
+async def test_a_stop_runs_stopping_first_and_cuts_endless_streams_after_the_grace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     sock = loopback_socket()
     port = int(sock.getsockname()[1])
     url = f"http://127.0.0.1:{port}"
@@ -80,6 +83,15 @@ async def test_a_stop_runs_stopping_first_and_cuts_endless_streams_after_the_gra
         assert journal.lines == ["start", "stopping, still answering: pong", "close"]
         # Noticed within QuietServer's second, then the one second of grace.
         assert took < 8, took
+        # The cut is one warning, not an error with a traceback per request.
+        said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "uvicorn.error"]
+        assert said == [
+            (
+                "WARNING",
+                "cut 1 request(s) still open at the end of the stop's grace"
+                " (AENV_STOP_GRACE_SECONDS)",
+            )
+        ], said
     finally:
         server.should_exit = True
         if not task.done():
