@@ -130,7 +130,7 @@ class NodeAgent:
             await asyncio.sleep(self.settings.heartbeat_seconds)
             await self.beat()
 
-    async def record(self, status: str | None = None) -> NodeRecord:
+    async def record(self) -> NodeRecord:
         info = await self.orch.stats.info()
         held = []
         for t in await self.orch.templates.all():
@@ -141,9 +141,7 @@ class NodeAgent:
         return NodeRecord(
             node_id=self.node_id,
             url=self.url,
-            status="draining"
-            if self._leaving or (status or info.status) == "draining"
-            else "ready",
+            status="draining" if self._leaving or info.status == "draining" else "ready",
             started_at=self.started_at,
             version=__version__,
             cpu_count=info.cpu_count,
@@ -158,9 +156,9 @@ class NodeAgent:
             templates=sorted(set(held)),
         )
 
-    async def beat(self, status: str | None = None) -> None:
+    async def beat(self) -> None:
         try:
-            node = await self.record(status)
+            node = await self.record()
             roster = {r.sandbox_id: roster_entry(r) for r in self.orch.table.list()}
             self._previous = await self.state.heartbeat(node, roster, self._previous)
             await self.orch.events.sync(*await self.state.webhooks())
